@@ -1,0 +1,355 @@
+"""
+The communication layer of minizero: a communicator with send/recv, the ring
+collectives written on top of it, and two ways to start a world of ranks.
+
+    reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
+    all_gather(shard) -> full       every rank ends with every rank's chunk
+    all_reduce(x)     -> full       reduce_scatter then all_gather
+
+Every ring collective makes each rank send (N-1)/N of the buffer. The ring fixes the
+order in which chunk c is summed: it starts at rank c+1 and travels c+2, ..., c (mod N),
+each hop rounded to the buffer's dtype. That order is what makes every ZeRO stage
+bit-identical to DDP, so the ring is the default; `comm.fast = True` swaps in torch's
+own collectives (NCCL on GPU), which sum in an order of their own.
+
+Two transports run the same ring code:
+    run_threads(fn, world_size, *args)    ranks are threads of this process (tests)
+    run_processes(fn, world_size, *args)  ranks are local processes on gloo or nccl
+    init_from_env()                       ranks started by torchrun, any number of nodes
+"""
+import os
+import pickle
+import queue
+import tempfile
+import threading
+import time
+import traceback
+from collections import Counter
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank whose peer failed or went silent: the world cannot go on."""
+
+
+def _describe(kind, t):
+    return f"{kind} of {t.numel()} x {str(t.dtype).replace('torch.', '')}"
+
+
+def _mismatch(rank, want, src, got):
+    return ValueError(f"mismatched collectives: rank {rank} is in {want} but rank {src} "
+                      f"sent {got}; every rank must call the same collectives in the same order")
+
+
+# -----------------------------------------------------------------------------
+# transport 1: threads in one process. Messages travel through one queue per
+# (src, dst) pair; a header rides along so mismatched collectives are caught.
+
+class ThreadComm:
+    def __init__(self, rank, world):
+        self.rank, self.world_size, self.world = rank, world.world_size, world
+        self.sent = Counter()  # collective kind -> payload bytes this rank has sent
+        self.fast = False
+        self.device = torch.device("cpu")
+
+    def send(self, t, dst, kind="p2p"):
+        self.sent[kind] += t.numel() * t.element_size()
+        self.world.queues[self.rank, dst].put((kind, t.detach().clone()))
+
+    def recv(self, t, src, kind="p2p"):
+        deadline = time.monotonic() + self.world.timeout
+        while True:
+            if self.world.failed.is_set():
+                raise PeerFailed(f"rank {self.rank}: a peer failed, giving up")
+            try:
+                got_kind, payload = self.world.queues[src, self.rank].get(timeout=0.05)
+                break
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise PeerFailed(f"rank {self.rank}: no message from rank {src} within "
+                                     f"{self.world.timeout}s ({_describe(kind, t)})")
+        if got_kind != kind or payload.shape != t.shape or payload.dtype != t.dtype:
+            raise _mismatch(self.rank, _describe(kind, t), src, _describe(got_kind, payload))
+        t.copy_(payload)
+
+    def isend(self, t, dst, kind="p2p"):
+        self.send(t, dst, kind)  # queues never block, so the send is done at once
+        return _Done()
+
+    def irecv(self, t, src, kind="p2p"):
+        return _Later(lambda: self.recv(t, src, kind))
+
+    # the "fast path" of the thread world: every rank reads the others' buffers
+    # straight from shared memory, as a native collective would.
+    def _exchange(self, x, kind):
+        w = self.world
+        w.slots[self.rank] = (kind, x.detach())
+        self._barrier()
+        for src, (k, y) in enumerate(w.slots):
+            if k != kind or y.shape != x.shape or y.dtype != x.dtype:
+                raise _mismatch(self.rank, _describe(kind, x), src, _describe(k, y))
+        ys = [y for _, y in w.slots]
+        return ys
+
+    def _barrier(self):
+        try:
+            self.world.barrier.wait(timeout=self.world.timeout)
+        except threading.BrokenBarrierError:
+            raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
+
+    def native_reduce_scatter(self, x, kind):
+        ys, s = self._exchange(x, kind), x.numel() // self.world_size
+        out = torch.stack([y[self.rank * s:(self.rank + 1) * s] for y in ys]).sum(0)
+        self._barrier()  # nobody may reuse its slot until everyone has read it
+        return out
+
+    def native_all_gather(self, shard, out, kind):
+        out.copy_(torch.cat(self._exchange(shard, kind)))
+        self._barrier()
+        return out
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class _Later:
+    def __init__(self, fn):
+        self.wait = fn
+
+
+class ThreadWorld:
+    def __init__(self, world_size, timeout):
+        self.world_size, self.timeout = world_size, timeout
+        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
+        self.slots = [None] * world_size
+        self.barrier = threading.Barrier(world_size)
+        self.failed = threading.Event()
+
+
+def run_threads(fn, world_size, *args, timeout=60.0):
+    """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
+    If a rank raises, the others are woken up and this raises, naming that rank."""
+    world = ThreadWorld(world_size, timeout)
+    results, errors = [None] * world_size, {}
+
+    def main(rank):
+        try:
+            results[rank] = fn(ThreadComm(rank, world), *args)
+        except BaseException as e:
+            errors[rank] = e
+            world.failed.set()
+            world.barrier.abort()
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:  # report the rank that failed first-hand, not the peers that gave up on it
+        rank = min(errors, key=lambda r: (isinstance(errors[r], PeerFailed), r))
+        raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+    return results
+
+
+# -----------------------------------------------------------------------------
+# transport 2: torch.distributed (gloo on CPU, nccl on GPU). With check=True every
+# message is preceded by a 64-byte header naming its kind, size and dtype.
+
+class ProcessComm:
+    def __init__(self, timeout=120.0, check=True, fast=False):
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout, self.check, self.fast = timedelta(seconds=timeout), check, fast
+        self.sent = Counter()
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def _header(self, kind, t):
+        h = _describe(kind, t).encode().ljust(64)[:64]
+        return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(t.device)
+
+    def _wait(self, work, what):
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            raise PeerFailed(f"rank {self.rank}: {what} failed or timed out "
+                             f"after {self.timeout.total_seconds()}s: {e}") from e
+
+    def isend(self, t, dst, kind="p2p"):
+        self.sent[kind] += t.numel() * t.element_size()
+        works = [dist.isend(self._header(kind, t), dst)] if self.check else []
+        works.append(dist.isend(t.contiguous(), dst))
+        return _Later(lambda: [self._wait(w, f"send to rank {dst}") for w in works])
+
+    def send(self, t, dst, kind="p2p"):
+        self.isend(t, dst, kind).wait()
+
+    def recv(self, t, src, kind="p2p"):
+        if self.check:
+            h = self._header(kind, t)
+            got = torch.empty_like(h)
+            self._wait(dist.irecv(got, src), f"recv from rank {src}")
+            if not torch.equal(got, h):
+                raise _mismatch(self.rank, _describe(kind, t), src, bytes(got.cpu().tolist()).decode().strip())
+        self._wait(dist.irecv(t, src), f"recv from rank {src}")
+
+    def irecv(self, t, src, kind="p2p"):
+        return _Later(lambda: self.recv(t, src, kind))
+
+    def _check_all(self, kind, x):  # a small all-gather of headers before a native collective
+        h = self._header(kind, x)
+        hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
+        self._wait(dist.all_gather_into_tensor(hs, h, async_op=True), "header all-gather")
+        for src, g in enumerate(hs.view(self.world_size, -1)):
+            if not torch.equal(g, h):
+                raise _mismatch(self.rank, _describe(kind, x), src, bytes(g.cpu().tolist()).decode().strip())
+
+    def native_reduce_scatter(self, x, kind):
+        if self.check:
+            self._check_all(kind, x)
+        out = torch.empty(x.numel() // self.world_size, dtype=x.dtype, device=x.device)
+        self._wait(dist.reduce_scatter_tensor(out, x, async_op=True), kind)
+        return out
+
+    def native_all_gather(self, shard, out, kind):
+        if self.check:
+            self._check_all(kind, shard)
+        self._wait(dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True), kind)
+        return out
+
+
+def init_from_env(timeout=300.0, check=False, fast=True):
+    """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
+    else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+    return ProcessComm(timeout, check, fast)
+
+
+def _process_main(rank, world_size, backend, store_path, timeout, check, fn, args, results):
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout))
+        out = fn(ProcessComm(timeout, check), *args)
+        results.put(("ok", rank, pickle.dumps(out)))
+    except BaseException as e:
+        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    results.close()
+    results.join_thread()  # the result is handed over: now leave without gloo's exit-time abort
+    os._exit(0)
+
+
+def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=True):
+    """Spawn world_size local ranks running fn(comm, *args) (fn must be importable);
+    return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed
+    and this raises, naming that rank."""
+    ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_process_main, daemon=True,
+                             args=(r, world_size, backend, os.path.join(tmp, "store"), timeout,
+                                   check, fn, args, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        out, failure = {}, None
+        try:
+            while len(out) < world_size and failure is None:
+                try:
+                    status, rank, payload = results.get(timeout=0.2)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    if dead:
+                        failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    continue
+                if status == "ok":
+                    out[rank] = pickle.loads(payload)
+                else:
+                    failure = f"rank {rank} failed: {payload}"
+        finally:
+            for p in procs:
+                if failure is not None and p.is_alive():
+                    p.kill()
+                p.join(timeout=10)
+    if failure is not None:
+        raise RuntimeError(failure)
+    return [out[r] for r in range(world_size)]
+
+
+# -----------------------------------------------------------------------------
+# the collectives, as rings over send/recv
+
+def _chunks(x, n):
+    if x.dim() != 1 or x.numel() % n:
+        raise ValueError(f"collectives take a 1-D tensor whose length is a multiple of the "
+                         f"world size; got shape {tuple(x.shape)} for world size {n} (pad it)")
+    return x.view(n, -1)
+
+
+def reduce_scatter(x, comm, kind="reduce_scatter"):
+    """Sum x over ranks; rank r returns chunk r. Each rank sends (N-1)/N of x.
+    Chunk c is summed in the order rank c+1, c+2, ..., c (mod N), rounded at every hop."""
+    n, r = comm.world_size, comm.rank
+    chunks = _chunks(x, n)
+    if n == 1:
+        return chunks[0].clone()
+    if comm.fast:
+        comm.sent[kind] += (n - 1) * chunks[0].numel() * x.element_size()
+        return comm.native_reduce_scatter(x, kind)
+    right, left = (r + 1) % n, (r - 1) % n
+    acc = chunks[(r - 1) % n].clone()   # step 0: my own piece of chunk r-1 starts its journey
+    incoming = torch.empty_like(acc)
+    for k in range(n - 1):              # N-1 hops, one chunk (x/N) sent per hop
+        req = comm.isend(acc, right, kind)
+        comm.recv(incoming, left, kind)
+        req.wait()
+        acc = incoming + chunks[(r - 2 - k) % n]  # the partial sum of chunk r-2-k, plus mine
+    return acc                          # after N-1 hops: chunk r, summed by every rank
+
+
+def all_gather(shard, comm, out=None, kind="all_gather"):
+    """Concatenate every rank's shard in rank order. Each rank sends (N-1)/N of the result."""
+    n, r = comm.world_size, comm.rank
+    if out is None:
+        out = torch.empty(n * shard.numel(), dtype=shard.dtype, device=shard.device)
+    chunks = _chunks(out, n)
+    if n == 1:
+        return out.copy_(shard)
+    if comm.fast:
+        comm.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
+        return comm.native_all_gather(shard, out, kind)
+    chunks[r].copy_(shard)
+    right, left = (r + 1) % n, (r - 1) % n
+    for k in range(n - 1):              # hop k: pass on chunk r-k, receive chunk r-1-k
+        req = comm.isend(chunks[(r - k) % n], right, kind)
+        comm.recv(chunks[(r - 1 - k) % n], left, kind)
+        req.wait()
+    return out
+
+
+def all_reduce(x, comm):
+    """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
+    ring's order. Each rank sends 2(N-1)/N of x."""
+    return all_gather(reduce_scatter(x, comm), comm)
+
+
+def broadcast(x, comm, src=0, kind="broadcast"):
+    """Copy src's x into every rank's x along the chain src -> src+1 -> ... (in place)."""
+    n, r = comm.world_size, comm.rank
+    if n == 1:
+        return x
+    buf = x.view(torch.uint8) if x.dtype == torch.bool else x  # gloo moves no bools
+    if r != src:
+        comm.recv(buf, (r - 1) % n, kind)
+    if (r + 1) % n != src:
+        comm.send(buf, (r + 1) % n, kind)
+    return x

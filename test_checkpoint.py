@@ -1,0 +1,193 @@
+"""
+Checkpoints: resume is bit-identical to never stopping; a checkpoint loads at another
+world size and stage; consolidation gives a plain state_dict; bad files fail loudly,
+and a save that dies half-way leaves the previous checkpoint whole.
+"""
+import copy
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minizero
+import ops
+from test_equivalence import DTYPES, FIXED, Net, assert_same, make
+
+torch.set_num_threads(1)
+
+
+def train(comm, stage, model, batches, engine_kw, save_after=None, load=None, path=None):
+    """Optionally load `path` first; train on `batches`; save after step `save_after`.
+    Returns full_state_dict() after every step and, last, the reloaded logical state."""
+    model = copy.deepcopy(model)
+    engine = minizero.Engine(model, comm, stage, **engine_kw)
+    if load:
+        engine.load_checkpoint(path)
+    states = []
+    for i, micro_batches in enumerate(batches):
+        for micro in micro_batches:
+            x, y = micro[comm.rank % len(micro)]  # a world of another size reuses the batches
+            engine.backward(model(x, y))
+        engine.step()
+        if i == save_after:
+            engine.save_checkpoint(path)
+        states.append(engine.full_state_dict())
+    return states
+
+
+def logical(path):
+    """The unpadded fp32 master, m and v of every parameter in a checkpoint."""
+    return {n: {k: v[k] for k in ("master", "m", "v")} for n, v in minizero.read_checkpoint(path)[1].items()}
+
+
+def case(dtype, grad_accum=1, steps=4, world_size=3):
+    c = dict(FIXED[0], dtype=DTYPES[dtype], steps=steps, world_size=world_size, grad_accum=grad_accum)
+    c["engine"] = dict(FIXED[0]["engine"], dtype=c["dtype"], grad_accum=grad_accum)
+    return c
+
+
+@settings(deadline=None)
+@given(stage=st.integers(0, 3), world_size=st.integers(1, 4), before=st.integers(1, 2),
+       after=st.integers(1, 2), dtype=st.sampled_from(list(DTYPES)), grad_accum=st.integers(1, 2))
+def test_resume_equals_uninterrupted(tmp_path_factory, stage, world_size, before, after, dtype, grad_accum):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    c = case(dtype, grad_accum, before + after, world_size)
+    model, batches = make(c)
+    whole = ops.run_threads(train, world_size, stage, model, batches, c["engine"], before - 1, None, path)
+    resumed = ops.run_threads(train, world_size, stage, model, batches[before:], c["engine"], None, True, path)
+    for rank in range(world_size):
+        for a, b in zip(whole[rank][before:], resumed[rank]):
+            assert_same(a, b)
+
+
+@settings(deadline=None, max_examples=20)
+@given(stage=st.integers(0, 3), world_size=st.integers(1, 4), new_stage=st.integers(0, 3),
+       new_world_size=st.integers(1, 4), dtype=st.sampled_from(list(DTYPES)))
+def test_reshard_to_another_world_size_and_stage(tmp_path_factory, stage, world_size, new_stage,
+                                                  new_world_size, dtype):
+    """Save at N ranks and stage s; load at M ranks and stage t: the loaded state is the
+    saved state exactly (saved again at once, it reads back the same), and training on
+    equals an M-rank stage-0 run from that state, bit for bit."""
+    first, second = str(tmp_path_factory.mktemp("a")), str(tmp_path_factory.mktemp("b"))
+    c = case(dtype, steps=2, world_size=world_size)
+    model, batches = make(c)
+    saved = ops.run_threads(train, world_size, stage, model, batches, c["engine"], 1, None, first)[0][-1]
+    # load at M ranks and stage t, save again before any step: the same logical state
+    def reload(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, new_stage, **c["engine"])
+        engine.load_checkpoint(first)
+        state = engine.full_state_dict()
+        engine.save_checkpoint(second)
+        return state
+    assert_same(ops.run_threads(reload, new_world_size)[new_world_size - 1], saved)
+    a, b = logical(first), logical(second)
+    assert a.keys() == b.keys() and all(assert_same(a[n], b[n]) is None for n in a)
+    # go on training at M ranks: stage t equals stage 0
+    go = {s: ops.run_threads(train, new_world_size, s, model, batches, c["engine"], None, True, first)
+          for s in {0, new_stage}}
+    for x, y in zip(go[new_stage][-1], go[0][0]):
+        assert_same(x, y)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_consolidate_equals_full_state_dict_and_loads(tmp_path, stage):
+    c = dict(case("bf16"), frozen=0)
+    model, batches = make(c)
+    model.register_buffer("counter", torch.tensor([7]))
+    states = ops.run_threads(train, 3, stage, model, batches, c["engine"], 3, None, str(tmp_path))
+    minizero.main(["consolidate", str(tmp_path), str(tmp_path / "model.pt")])
+    state = torch.load(tmp_path / "model.pt")
+    assert list(state) == list(model.state_dict())
+    assert_same(state, states[0][3])
+    fresh = copy.deepcopy(model)
+    fresh.load_state_dict(state, strict=True)
+    assert fresh.head.weight is fresh.emb.weight and torch.equal(fresh.head.weight, state["head.weight"])
+
+
+# -----------------------------------------------------------------------------
+# what goes wrong: each a clear error naming the file and the mismatch
+
+
+@pytest.fixture
+def saved(tmp_path):
+    c = case("fp32", steps=2)
+    model, batches = make(c)
+    states = ops.run_threads(train, 3, 2, model, batches, c["engine"], 0, None, str(tmp_path))
+    return str(tmp_path), c, model, batches, states
+
+
+def load_into(model, c, path, stage=2, world_size=3):
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, stage, **c["engine"])
+        engine.load_checkpoint(path)
+        return engine.full_state_dict()
+    return ops.run_threads(body, world_size)[0]
+
+
+def shard_files(path):
+    return sorted(f for f in os.listdir(path) if f.startswith("shard-"))
+
+
+def test_truncated_shard(saved):
+    path, c, model, *_ = saved
+    victim = os.path.join(path, shard_files(path)[1])
+    with open(victim, "r+b") as f:
+        f.truncate(os.path.getsize(victim) // 2)
+    with pytest.raises(RuntimeError, match=f"{shard_files(path)[1]} is truncated or corrupted"):
+        load_into(model, c, path)
+
+
+def test_missing_shard_and_missing_manifest(saved):
+    path, c, model, *_ = saved
+    os.remove(os.path.join(path, shard_files(path)[2]))
+    with pytest.raises(RuntimeError, match="is missing its shard"):
+        load_into(model, c, path)
+    os.remove(os.path.join(path, "manifest.json"))
+    with pytest.raises(RuntimeError, match="no complete checkpoint"):
+        load_into(model, c, path)
+
+
+def test_checkpoint_of_another_model(saved):
+    path, c, model, *_ = saved
+    other = Net(c["vocab"], [5, 6, 5], tie=True)  # layers.0 is 5->6 here, 5->4 there
+    with pytest.raises(RuntimeError, match="another model: trainable parameter layers.0.bias"):
+        load_into(other, c, path)
+    renamed = copy.deepcopy(model)
+    renamed.extra = torch.nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="extra.bias has shape absent there"):
+        load_into(renamed, c, path)
+
+
+def test_nothing_half_loaded(saved):
+    """A failed load leaves the engine exactly as it was."""
+    path, c, model, *_ = saved
+    os.remove(os.path.join(path, shard_files(path)[2]))
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, 1, **c["engine"])
+        before = engine.full_state_dict()
+        with pytest.raises(FileNotFoundError):
+            engine.load_checkpoint(path)
+        assert_same(engine.full_state_dict(), before)
+        return engine.t
+    assert ops.run_threads(body, 3) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("dies_at", ["shard", "manifest"])
+def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch, dies_at):
+    """The second save dies (a rank's shard write, or rank 0's manifest write): the
+    first checkpoint is still complete, loads, and holds the state after step 1."""
+    path, c, model, batches, states = saved
+    real = minizero._write_atomic
+    def dying(p, obj):
+        if (dies_at == "manifest" and p.endswith("manifest.json")) or (dies_at == "shard" and p.endswith("-1.pt")):
+            with open(p + ".tmp", "wb") as f:  # half a file, then the crash
+                f.write(b"partial")
+            raise OSError("disk full (simulated)")
+        return real(p, obj)
+    monkeypatch.setattr(minizero, "_write_atomic", dying)
+    with pytest.raises(RuntimeError, match="disk full|could not write their shard"):
+        ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+    monkeypatch.setattr(minizero, "_write_atomic", real)
+    assert_same(load_into(model, c, path), states[0][0])
