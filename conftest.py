@@ -5,7 +5,7 @@ import os
 from hypothesis import HealthCheck, settings
 
 common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=60, derandomize=True, **common)
+settings.register_profile("ci", max_examples=200, derandomize=True, **common)
 settings.register_profile("dev", max_examples=100, **common)
 settings.register_profile("thorough", max_examples=1000, **common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

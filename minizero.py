@@ -26,6 +26,8 @@ import os
 import resource
 import sys
 
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 import torch.nn as nn
 
@@ -99,7 +101,7 @@ class Unit:
         self.local = None       # this micro-batch's local gradient, full size
         self.arrived = set()    # which parameters' local gradients have arrived
         self.grad_shard = None  # reduced gradient shard, summed over micro-batches
-        self.gathered = True    # stage 3: is flat's storage allocated?
+        self.pending = None     # stage 3: the (future of the) gather that fills flat
 
     def chunk(self, x, rank):
         return x.view(-1, self.shard_size)[rank]
@@ -177,7 +179,7 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
 class Engine:
     def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
-                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000):
+                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, overlap=True, fast=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -198,6 +200,11 @@ class Engine:
         self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scaling
         self.scale_window, self.clean_steps = scale_window, 0
         self.t, self.micro = 0, 0  # optimizer steps taken; backward() calls since the last step
+        if fast is not None:
+            comm.fast = fast  # torch's own collectives instead of the ring (ops.py)
+        self.overlap, self.jobs, self.fwd_order, self.bwd_order = overlap, [], [], []
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
+        self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
 
         groups, cross = group_params(model, default_units(model) if units is None else list(units))
         if cross and stage == 3:
@@ -232,31 +239,82 @@ class Engine:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._on_grad(u, i, p))
             if stage == 3:
+                u.pending = _Done(None)
                 self._release(u)
-                u.module.register_forward_pre_hook(lambda mod, args, u=u: self._gather(u))
+                u.module.register_forward_pre_hook(lambda mod, args, u=u: self._gather(u, self.fwd_order))
                 u.module.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
         model.register_forward_pre_hook(self._cast_inputs)
+        if stage == 3:  # an eval forward (no backward follows): leave nothing gathered or in flight
+            model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self._release_all())
 
-    # ---- stage 3: gather a unit before it is used, release it right after
+    # ---- communication runs on its own thread, in the order it is asked for
 
-    def _gather(self, u):
+    def _submit(self, job):
+        """Run job() on this rank's communication thread (overlap=True) while autograd
+        computes; return its future. Every rank submits the same collectives in the same
+        order and one thread runs them in that order, so they pair up across ranks."""
+        if self.pool is None:
+            return _Done(job())
+        if self.side is None:
+            return self.pool.submit(job)
+        ready = torch.cuda.Event()
+        ready.record()  # GPU: the side stream waits for the compute that made the inputs
+
+        def on_side_stream():
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)
+                out = job()
+                self.side.synchronize()
+                return out
+        return self.pool.submit(on_side_stream)
+
+    def _drain(self):
+        """Wait until the communication thread is idle: after this, collectives may run inline."""
+        for f in self.jobs:
+            f.result()  # re-raises a failed collective here
+        self.jobs = []
+        if self.pool is not None:
+            self.pool.submit(lambda: None).result()
+
+    # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next
+
+    def _gather(self, u, order):
+        """Wait for unit u's params (fetching them now if no prefetch did), then start
+        fetching the unit that came after u last time in this pass (order)."""
+        self._fetch(u).result()
+        if u not in order:
+            order.append(u)  # the first pass records the order the next passes prefetch in
+        i = order.index(u) + 1
+        if self.overlap and i < len(order):
+            self._fetch(order[i])
+
+    def _fetch(self, u):
         """All-gather the unit's 16-bit shards into its flat buffer: sends (N-1)/N·Ψ_u."""
-        if not u.gathered:
-            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-            all_gather(u.shard, self.comm, out=u.flat)
-            u.gathered = True
+        if u.pending is None:
+            def job():
+                u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+                all_gather(u.shard, self.comm, out=u.flat)
+            u.pending = self._submit(job)
+        return u.pending
 
     def _release(self, u):
         """Give the full parameters' memory back; the views stay, to be refilled later."""
+        if u.pending is not None:
+            u.pending.result()
         u.flat.untyped_storage().resize_(0)
-        u.gathered = False
+        u.pending = None
 
     def _after_forward(self, u, out):
         if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._gather(u))
+                    t.register_hook(lambda grad, u=u: self._gather(u, self.bwd_order))
         self._release(u)
+
+    def _release_all(self):
+        for u in self.units:
+            if u.pending is not None:
+                self._release(u)
 
     def _cast_inputs(self, module, args):
         return tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a
@@ -281,16 +339,20 @@ class Engine:
         for i in set(range(len(u.params))) - u.arrived:  # a parameter that got no gradient
             o = u.offsets[i]
             u.local[o:o + u.params[i].numel()].zero_()
-        shard = reduce_scatter(u.local.to(self.reduce_dtype), self.comm)
-        u.grad_shard = shard if self.micro == 0 else u.grad_shard + shard
-        u.arrived = set()
+        local, first = u.local.to(self.reduce_dtype), self.micro == 0
+
+        def job():
+            shard = reduce_scatter(local, self.comm)
+            u.grad_shard = shard if first else u.grad_shard + shard
+        self.jobs.append(self._submit(job))
+        u.arrived, u.reduced = set(), True
         u.local = u.grad if self.stage <= 1 else None  # stage 2: the full gradient is gone
         if self.stage == 3:
             self._release(u)
-        u.reduced = True
 
     def backward(self, loss):
-        """Backward for one micro-batch; scaled by 1/grad_accum (and the fp16 loss scale)."""
+        """Backward for one micro-batch; scaled by 1/grad_accum (and the fp16 loss scale).
+        Returns once every unit's gradient is reduced."""
         if self.micro == self.grad_accum:
             raise RuntimeError(f"backward() called {self.micro + 1} times since the last step() "
                                f"with grad_accum={self.grad_accum}; call engine.step()")
@@ -303,8 +365,9 @@ class Engine:
                 if u.local is None:
                     u.local = torch.zeros(u.padded, dtype=self.dtype, device=u.flat.device)
                 self._reduce(u)
-            if self.stage == 3 and u.gathered:
-                self._release(u)
+        self._drain()
+        if self.stage == 3:
+            self._release_all()
         self.micro += 1
 
     # ---- the step: each stage updates what it keeps, then shares what the others need
@@ -315,6 +378,7 @@ class Engine:
             raise RuntimeError(f"step() after {self.micro} backward() calls; grad_accum="
                                f"{self.grad_accum} expects exactly that many before each step")
         self.micro = 0
+        self._drain()
         N, r, stage = self.comm.world_size, self.comm.rank, self.stage
         unscale = 1.0 / (N * self.scale)  # mean over ranks, undoing the fp16 loss scale
         if self.dtype == torch.float16 and self._overflow():
@@ -369,6 +433,7 @@ class Engine:
         """Collective. {name: fp32 tensor} for every name of model.state_dict(): tied
         names, frozen parameters and buffers included, so a fresh model loads it strictly."""
         values = {}
+        self._drain()
         for u in self.units:
             full = u.master if self.stage == 0 else all_gather(u.master, self.comm, kind="state_dict")
             for p, o in zip(u.params, u.offsets):
@@ -392,14 +457,16 @@ class Engine:
 
     # ---- checkpoints: one shard file per rank, and a manifest written last
 
-    def save_checkpoint(self, path):
+    def save_checkpoint(self, path, meta=None):
         """Collective. Each rank writes its shard (fp32 master, m, v of its chunk); once
         every rank reports its shard safely on disk, rank 0 writes the manifest, which
         alone makes the checkpoint complete. A crash anywhere before that leaves the
-        previous manifest, and the shards it names, untouched."""
+        previous manifest, and the shards it names, untouched. `meta` (JSON: the training
+        step, say) rides in the manifest and comes back from load_checkpoint()."""
         if self.micro:
             raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
         comm, r = self.comm, self.comm.rank
+        self._drain()
         os.makedirs(path, exist_ok=True)
         nonce = broadcast(torch.randint(0, 2**31, (1,), device=self.units[0].flat.device), comm, kind="checkpoint")
         tag = f"{self.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
@@ -421,6 +488,7 @@ class Engine:
                                f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
         if r == 0:
             manifest = self._manifest(tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
+            manifest["meta"] = meta
             _write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1).encode())
             keep = {s["file"] for s in manifest["shards"]} | {"manifest.json"}
             for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
@@ -445,7 +513,8 @@ class Engine:
     def load_checkpoint(self, path):
         """Load a complete checkpoint saved at any world size and stage: the logical
         (unpadded) vectors are re-cut for this layout. Everything is read and checked
-        before anything is changed, so a bad checkpoint leaves the engine as it was."""
+        before anything is changed, so a bad checkpoint leaves the engine as it was.
+        Returns the `meta` given to save_checkpoint()."""
         manifest, params, extra = read_checkpoint(path)
         mine = {n: p for u in self.units for n, p in zip(u.names, u.params)}
         _check_same(path, {n: list(p.shape) for n, p in mine.items()},
@@ -466,6 +535,7 @@ class Engine:
         for n, t in frozen.items():
             t.data.copy_(extra[n])
         self.t, self.scale, self.clean_steps = manifest["step"], manifest["scale"], manifest["clean_steps"]
+        return manifest.get("meta")
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""
@@ -551,6 +621,16 @@ def _check_same(path, ours, theirs, what):
         if ours.get(n) != theirs.get(n):
             raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
                              f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
+
+
+class _Done:
+    """A future that is already done: communication ran inline (overlap=False)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
 
 
 def _tensors(x):

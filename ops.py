@@ -204,7 +204,7 @@ class ProcessComm:
     def _check_all(self, kind, x):  # a small all-gather of headers before a native collective
         h = self._header(kind, x)
         hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
-        self._wait(dist.all_gather_into_tensor(hs, h, async_op=True), "header all-gather")
+        self._wait(_all_gather_single(hs, h, async_op=True), "header all-gather")
         for src, g in enumerate(hs.view(self.world_size, -1)):
             if not torch.equal(g, h):
                 raise _mismatch(self.rank, _describe(kind, x), src, bytes(g.cpu().tolist()).decode().strip())
@@ -213,14 +213,19 @@ class ProcessComm:
         if self.check:
             self._check_all(kind, x)
         out = torch.empty(x.numel() // self.world_size, dtype=x.dtype, device=x.device)
-        self._wait(dist.reduce_scatter_tensor(out, x, async_op=True), kind)
+        self._wait(_reduce_scatter_single(out, x, async_op=True), kind)
         return out
 
     def native_all_gather(self, shard, out, kind):
         if self.check:
             self._check_all(kind, shard)
-        self._wait(dist.all_gather_into_tensor(out, shard.contiguous(), async_op=True), kind)
+        self._wait(_all_gather_single(out, shard.contiguous(), async_op=True), kind)
         return out
+
+
+# torch's own collectives: *_single in newer torch, *_tensor in older (same arguments)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def init_from_env(timeout=300.0, check=False, fast=True):
@@ -261,7 +266,7 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Tru
                                    check, fn, args, results)) for r in range(world_size)]
         for p in procs:
             p.start()
-        out, failure = {}, None
+        out, failure, secondhand, grace = {}, None, None, None
         try:
             while len(out) < world_size and failure is None:
                 try:
@@ -270,9 +275,14 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Tru
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                     if dead:
                         failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
+                    elif secondhand is not None and time.monotonic() > grace:
+                        failure = secondhand
                     continue
                 if status == "ok":
                     out[rank] = pickle.loads(payload)
+                elif payload.startswith("PeerFailed:"):  # a rank gave up on a peer: give the
+                    if secondhand is None:                # first-hand failure a moment to arrive
+                        secondhand, grace = f"rank {rank} failed: {payload}", time.monotonic() + 2.0
                 else:
                     failure = f"rank {rank} failed: {payload}"
         finally:

@@ -61,7 +61,8 @@ def cases(draw, dtypes=("fp32", "bf16", "fp16")):
              batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)),
              dtype=DTYPES[draw(st.sampled_from(dtypes))])
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
-                       clip=draw(st.none() | st.floats(0.01, 2.0)), grad_accum=c["grad_accum"], dtype=c["dtype"])
+                       clip=draw(st.none() | st.floats(0.01, 2.0)), grad_accum=c["grad_accum"], dtype=c["dtype"],
+                       overlap=draw(st.booleans()))
     return c
 
 

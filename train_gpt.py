@@ -1,0 +1,397 @@
+"""
+Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in one file).
+
+    python train_gpt.py                          # 2 local CPU ranks (gloo), ZeRO stage 3
+    python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16
+    torchrun --nproc-per-node 8 train_gpt.py --preset gpt2 --config ds_config.json
+
+Data needs no download: byte-level tokens (vocab 256) of the Python standard library's
+own sources, or of any text file given with --data.
+"""
+import argparse
+import json
+import math
+import os
+import sysconfig
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import minizero
+import ops
+
+# -----------------------------------------------------------------------------
+# the model: nanoGPT's GPT, without dropout (so ranks and stages stay bit-comparable)
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    vocab_size: int = 256  # bytes
+    bias: bool = True
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where it can
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x):  # pre-LayerNorm: the residual stream is never normalized in place
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config, generator=None):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.block_size, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),  # one ZeRO unit per block
+            ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied: one Parameter, two names
+        # nanoGPT's init, drawn from an explicit generator: threads of one process share
+        # torch's global RNG, and every rank must build the very same model
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # residual projections, scaled by depth (GPT-2)
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * config.n_layer), generator=generator)
+            elif p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02, generator=generator)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())  # parameters() counts the tie once
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # in the parameters' dtype
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        if targets is None:
+            return logits, None
+        # the loss in fp32 whatever the compute dtype: a 16-bit log-softmax loses the small probabilities
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size:])
+            logits = logits[:, -1, :].float() / temperature
+            if top_k is not None:
+                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+                logits[logits < v[:, [-1]]] = -float("inf")
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx
+
+
+# -----------------------------------------------------------------------------
+# data: bytes in, bytes out
+
+
+def stdlib_corpus(max_bytes=3_000_000):
+    """The standard library's own .py files in sorted path order, concatenated and cut at
+    max_bytes. site-packages is left out: it depends on what happens to be installed."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for d, dirs, files in os.walk(root):
+        dirs[:] = [x for x in dirs if x not in ("site-packages", "__pycache__")]
+        paths += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
+    out, n = [], 0
+    for p in sorted(paths):
+        with open(os.path.join(root, p), "rb") as f:
+            out.append(f.read())
+        n += len(out[-1])
+        if n >= max_bytes:
+            break
+    return b"".join(out)[:max_bytes]
+
+
+def load_data(path=None):
+    """{"train": first 90% of the bytes, "val": the last 10%} as uint8 tensors."""
+    if path is None:
+        raw = stdlib_corpus()
+    else:
+        with open(path, "rb") as f:
+            raw = f.read()
+    data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    n = int(0.9 * len(data))
+    return {"train": data[:n], "val": data[n:]}
+
+
+def get_batch(split, batch_size, block_size, generator):
+    """batch_size random windows of split (a 1-D uint8 tensor); y is x shifted by one."""
+    ix = torch.randint(len(split) - block_size, (batch_size,), generator=generator)
+    x = torch.stack([split[i:i + block_size] for i in ix]).long()
+    y = torch.stack([split[i + 1:i + 1 + block_size] for i in ix]).long()
+    return x, y
+
+
+# -----------------------------------------------------------------------------
+# configuration: defaults < --preset < --config (DeepSpeed JSON) < flags given
+
+
+DEFAULTS = dict(
+    world_size=2, stage=3, dtype=None, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=True,
+    batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
+    betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
+    out_dir=None, resume=False, seed=1337, data=None, fast=None, preset=None, config=None,
+    sample_tokens=200,
+)
+PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_num = lambda v: type(v) in (int, float) and v >= 0  # noqa: E731 (bool is no number here)
+_int = lambda v: type(v) is int and v >= 1  # noqa: E731
+DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, check, what it must be)
+    "zero_optimization.stage": ("stage", lambda v: type(v) is int and 0 <= v <= 3, "0, 1, 2 or 3"),
+    "bf16.enabled": ("bf16", lambda v: type(v) is bool, "true or false"),
+    "fp16.enabled": ("fp16", lambda v: type(v) is bool, "true or false"),
+    "gradient_accumulation_steps": ("grad_accum", _int, "an integer >= 1"),
+    "train_micro_batch_size_per_gpu": ("batch_size", _int, "an integer >= 1"),
+    "gradient_clipping": ("clip", _num, "a number >= 0 (0: no clipping)"),
+    "optimizer.type": ("optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW (minizero's only optimizer)"),
+    "optimizer.params.lr": ("lr", _num, "a number >= 0"),
+    "optimizer.params.betas": ("betas", lambda v: type(v) in (list, tuple) and len(v) == 2 and all(map(_num, v)),
+                               "a pair of numbers"),
+    "optimizer.params.eps": ("eps", _num, "a number >= 0"),
+    "optimizer.params.weight_decay": ("weight_decay", _num, "a number >= 0"),
+}
+
+
+def parse_ds_config(ds):
+    """A DeepSpeed config (a dict) -> the options it sets. Any key minizero does not have,
+    or an impossible value, is a ValueError naming the key's dotted path."""
+    flat = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(prefix + k, v)
+    walk(ds, "")
+    out = {}
+    for path, v in flat.items():
+        if path not in DS_KEYS:
+            raise ValueError(f"ds config: unknown key {path!r}; minizero reads only {sorted(DS_KEYS)}")
+        name, ok, want = DS_KEYS[path]
+        if not ok(v):
+            raise ValueError(f"ds config: {path!r} must be {want}, got {v!r}")
+        out[name] = tuple(v) if name == "betas" else v
+    if out.get("bf16") and out.get("fp16"):
+        raise ValueError("ds config: 'bf16.enabled' and 'fp16.enabled' are both true; pick one")
+    if "bf16" in out or "fp16" in out:  # both present and false: DeepSpeed trains in fp32
+        out["dtype"] = "bfloat16" if out.get("bf16") else "float16" if out.get("fp16") else "float32"
+    if "clip" in out:
+        out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
+    return {k: v for k, v in out.items() if k not in ("bf16", "fp16", "optimizer")}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def opt(name, typ=None, help="", **kw):  # default None: we can tell which flags were given
+        kw.update(type=typ) if typ else None
+        p.add_argument(name, help=f"{help} (default: {DEFAULTS[name[2:].replace('-', '_')]})".strip(), **kw)
+    opt("--world-size", int, "local ranks to spawn when not under torchrun")
+    opt("--stage", int, "0 = DDP, 1-3 = ZeRO stages", choices=range(4))
+    opt("--dtype", str, "compute dtype; None: bfloat16 on GPU, float32 on CPU", choices=list(DTYPES))
+    for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "grad-accum", "steps",
+                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens"):
+        opt("--" + name, int)
+    for name in ("lr", "min-lr", "clip"):
+        opt("--" + name, float)
+    opt("--out-dir", str, "save a checkpoint here every eval interval")
+    opt("--resume", None, "continue from --out-dir", action="store_true", default=None)
+    opt("--data", str, "train on this text file; None: the standard library's sources")
+    opt("--fast", None, "torch's collectives instead of the ring; None: on under torchrun on GPUs",
+        action=argparse.BooleanOptionalAction)
+    opt("--preset", str, "", choices=list(PRESETS))
+    opt("--config", str, "a DeepSpeed JSON config")
+    given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
+    cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {})}
+    if given.get("config"):
+        with open(given["config"]) as f:
+            cfg.update(parse_ds_config(json.load(f)))
+    return {**cfg, **given}
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def get_lr(step, c):
+    """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT)."""
+    if step < c.warmup:
+        return c.lr * (step + 1) / (c.warmup + 1)
+    ratio = (step - c.warmup) / max(1, c.steps - c.warmup)
+    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (c.lr - c.min_lr)
+
+
+def fmt_bytes(n):
+    return f"{n / 2**20:.2f} MiB"
+
+
+def train(comm, cfg):
+    """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
+    from types import SimpleNamespace
+    c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
+    rank, N, device = comm.rank, comm.world_size, comm.device
+    tokens_per_step = c.batch_size * c.block_size * c.grad_accum * N  # over all ranks
+    cuda = device.type == "cuda"
+    dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
+    log = print if rank == 0 else (lambda *a, **k: None)
+    if c.fast is not None:
+        comm.fast = c.fast
+
+    data = load_data(c.data)
+    gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias)
+    model = GPT(gcfg, torch.Generator().manual_seed(c.seed)).to(device)  # the same on every rank
+    n_params = model.num_params()
+    engine = minizero.Engine(model, comm, c.stage, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
+                             weight_decay=c.weight_decay, decay=lambda name, p: p.dim() >= 2,
+                             dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None)
+    log(f"{N} ranks, ZeRO stage {c.stage}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
+        f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
+    mem, formula = engine.memory(), engine.formula()
+    for k in mem:
+        log(f"  model state per rank, {k:9s}: {fmt_bytes(mem[k]):>12} measured, {fmt_bytes(formula[k]):>12} formula")
+
+    start = 0
+    if c.resume:  # at any world size and stage: the engine re-cuts the saved vectors
+        if not c.out_dir:
+            raise ValueError("--resume needs --out-dir, the checkpoint directory to resume from")
+        start = engine.load_checkpoint(c.out_dir)["step"]
+        log(f"resumed from {c.out_dir} at step {start}")
+    # each rank its own batches; a resumed run does not replay the batches it has seen
+    gen = torch.Generator().manual_seed(c.seed + rank + 1_000_003 * start)
+    # every rank evaluates the same fixed val batches, so their val losses agree
+    vgen = torch.Generator().manual_seed(c.seed)
+    val_batches = [get_batch(data["val"], c.batch_size, c.block_size, vgen) for _ in range(c.eval_iters)]
+
+    @torch.no_grad()
+    def evaluate():
+        return sum(model(x.to(device), y.to(device))[1].item() for x, y in val_batches) / len(val_batches)
+
+    train_curve, val_curve, times, skipped, comm_step = [], [], [], 0, None
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    for step in range(start, c.steps + 1):
+        if step % c.eval_interval == 0 or step == c.steps:
+            val_curve.append((step, evaluate()))
+            log(f"step {step}: val loss {val_curve[-1][1]:.4f}")
+            if c.out_dir and step > start:
+                engine.save_checkpoint(c.out_dir, meta={"step": step})
+                log(f"saved checkpoint to {c.out_dir} at step {step}")
+        if step == c.steps:
+            break
+        engine.lr = get_lr(step, c)
+        sent_before = dict(comm.sent)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for _ in range(c.grad_accum):
+            x, y = get_batch(data["train"], c.batch_size, c.block_size, gen)
+            _, loss = model(x.to(device), y.to(device))
+            engine.backward(loss)
+            loss_sum += loss.item()  # .item() syncs, so the timing below is honest
+        skipped += not engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        train_curve.append((step, loss_sum / c.grad_accum))
+        if comm_step is None:  # what one step sends, against the formulas' 2Ψ / 3Ψ
+            comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
+            psi_bytes = n_params * dtype.itemsize * (N - 1) / N
+            log(f"bytes sent per step by rank 0: {sum(comm_step.values()):,} = "
+                f"{sum(comm_step.values()) / psi_bytes if N > 1 else 0:.2f} ring collectives over Psi; "
+                + " ".join(f"{k}={v:,}" for k, v in sorted(comm_step.items())))
+        if step % 10 == 0 or step == c.steps - 1:
+            tok_s = tokens_per_step / times[-1]
+            mfu = ""
+            if cuda:  # nanoGPT's estimate: 6 flops per parameter per token, plus attention
+                flops = (6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size) * tok_s / N
+                peak = 989e12 if any(g in torch.cuda.get_device_name() for g in ("H100", "H200")) else 312e12
+                mfu = f", mfu {100 * flops / peak:.1f}%"
+            log(f"step {step}: loss {train_curve[-1][1]:.4f}, time {1000 * times[-1]:.1f} ms, tok/s {tok_s:,.0f}{mfu}")
+
+    timed = times[min(len(times) - 1, 5):] or [float("nan")]  # the first steps are warm-up
+    ms = 1000 * sum(timed) / len(timed)
+    peak = minizero.peak_memory(device)
+    peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
+    log(f"{ms:.1f} ms/step, {tokens_per_step / ms * 1000:,.0f} tok/s"
+        + (f", {skipped} fp16 steps skipped" if skipped else ""))
+    log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
+        + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
+        "the rest is activations, buffers and (on CPU) torch itself")
+    # generation runs on every rank (stage 3 gathers collectively); the same seed draws the same text
+    prompt = data["val"][:c.block_size // 2].long()[None].to(device)
+    out = model.generate(prompt, c.sample_tokens, temperature=0.8, top_k=50,
+                         generator=torch.Generator(device).manual_seed(c.seed))
+    sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+    log("-" * 40 + "\n" + sample + "\n" + "-" * 40)
+    return dict(train=train_curve, val=val_curve, ms_per_step=ms,
+                tokens_per_s=tokens_per_step / ms * 1000,
+                peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
+                n_params=n_params, skipped=skipped, sample=sample)
+
+
+def train_entry(comm, cfg):
+    """One spawned rank: share the cores, then train."""
+    if comm.device.type == "cpu":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", comm.world_size))  # ranks on this machine
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    return train(comm, cfg)
+
+
+if __name__ == "__main__":
+    cfg = parse_args()
+    if "RANK" in os.environ:  # started by torchrun
+        comm = ops.init_from_env(fast=torch.cuda.is_available() if cfg["fast"] is None else cfg["fast"])
+        train_entry(comm, cfg)
+    else:  # start our own world: one GPU per rank if there are enough, else CPU processes
+        gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
+        ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
