@@ -25,6 +25,7 @@ import math
 import os
 import resource
 import sys
+import weakref
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -177,6 +178,10 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
 
 
 class Engine:
+    """Wraps a model for data-parallel training at a ZeRO stage. Call the model as usual,
+    then engine.backward(loss) per micro-batch and engine.step() every grad_accum of them.
+    Keep a reference to the engine while you use the model: its hooks point back to it."""
+
     def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, overlap=True, fast=None):
@@ -222,6 +227,9 @@ class Engine:
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)
 
+        # the model's hooks hold the engine weakly: when you drop the engine, it (and its
+        # communication thread) goes, instead of living on in a cycle through the params
+        me = weakref.proxy(self)
         for u in self.units:
             u.decays = [decay is None or bool(decay(n, p)) for n, p in zip(u.names, u.params)]
             mine = u.flat if stage == 0 else u.chunk(u.flat, r)
@@ -237,15 +245,15 @@ class Engine:
                 u.grad = None
                 u.grad_shard = torch.zeros(u.shard_size, dtype=self.reduce_dtype, device=u.flat.device)
             for i, p in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: self._on_grad(u, i, p))
+                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: me._on_grad(u, i, p))
             if stage == 3:
                 u.pending = _Done(None)
                 self._release(u)
-                u.module.register_forward_pre_hook(lambda mod, args, u=u: self._gather(u, self.fwd_order))
-                u.module.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
-        model.register_forward_pre_hook(self._cast_inputs)
+                u.module.register_forward_pre_hook(lambda mod, args, u=u: me._gather(u, me.fwd_order))
+                u.module.register_forward_hook(lambda mod, args, out, u=u: me._after_forward(u, out))
+        model.register_forward_pre_hook(lambda mod, args: me._cast_inputs(args))
         if stage == 3:  # an eval forward (no backward follows): leave nothing gathered or in flight
-            model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else self._release_all())
+            model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else me._release_all())
 
     # ---- communication runs on its own thread, in the order it is asked for
 
@@ -308,7 +316,7 @@ class Engine:
         if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=u: self._gather(u, self.bwd_order))
+                    t.register_hook(lambda grad, u=u, me=weakref.proxy(self): me._gather(u, me.bwd_order))
         self._release(u)
 
     def _release_all(self):
@@ -316,7 +324,7 @@ class Engine:
             if u.pending is not None:
                 self._release(u)
 
-    def _cast_inputs(self, module, args):
+    def _cast_inputs(self, args):
         return tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                      for a in args)
 
@@ -383,8 +391,8 @@ class Engine:
         unscale = 1.0 / (N * self.scale)  # mean over ranks, undoing the fp16 loss scale
         if self.dtype == torch.float16 and self._overflow():
             self.scale, self.clean_steps = self.scale / 2, 0
-            for u in self.units:
-                u.grad_shard = u.grad_shard if stage >= 2 else None
+            for u in self.units if stage <= 1 else []:
+                u.grad_shard = None
             return False
         coef = None
         if self.clip is not None:
