@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.nn as nn
 
-from ops import all_gather, broadcast, reduce_scatter
+from ops import all_gather, all_reduce, broadcast, reduce_scatter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -102,6 +102,7 @@ class Unit:
         self.local = None       # this micro-batch's local gradient, full size
         self.arrived = set()    # which parameters' local gradients have arrived
         self.grad_shard = None  # reduced gradient shard, summed over micro-batches
+        self.full_grad = None   # stage 0: the reduced gradient, all-gathered
         self.pending = None     # stage 3: the (future of the) gather that fills flat
 
     def chunk(self, x, rank):
@@ -116,12 +117,14 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
     1 - lr·weight_decay, a float or a per-element tensor), bias correction, eps outside
     the sqrt. Elementwise, with only + - * / sqrt (each rounded once, never fused), so a
-    shard gives the same bits as the whole buffer."""
-    p = p * decay
-    m = m * beta1 + g * (1 - beta1)
-    v = v * beta2 + g * g * (1 - beta2)
-    denom = v.sqrt() / math.sqrt(1 - beta2 ** t) + eps
-    p = p - m / denom * (lr / (1 - beta1 ** t))
+    shard gives the same bits as the whole buffer. p, m and v are updated in place (the
+    same operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...):
+    out-of-place, a step would need ten full-size temporaries."""
+    p.mul_(decay)
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
+    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
+    p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
     return p, m, v
 
 
@@ -299,10 +302,8 @@ class Engine:
     def _fetch(self, u):
         """All-gather the unit's 16-bit shards into its flat buffer: sends (N-1)/N·Ψ_u."""
         if u.pending is None:
-            def job():
-                u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-                all_gather(u.shard, self.comm, out=u.flat)
-            u.pending = self._submit(job)
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())  # allocate here,
+            u.pending = self._submit(lambda: all_gather(u.shard, self.comm, out=u.flat))  # fill there
         return u.pending
 
     def _release(self, u):
@@ -348,10 +349,19 @@ class Engine:
             o = u.offsets[i]
             u.local[o:o + u.params[i].numel()].zero_()
         local, first = u.local.to(self.reduce_dtype), self.micro == 0
+        # DDP can all-gather the reduced gradient now, while backward goes on (fp16 waits
+        # for step()'s overflow check, so that a skipped step sends nothing more)
+        gather = self.stage == 0 and self.micro == self.grad_accum - 1 and self.dtype != torch.float16
 
         def job():
+            if gather and first and self.comm.fast:  # fast path, one micro-batch: DDP's all-reduce
+                u.full_grad = all_reduce(local, self.comm)
+                u.grad_shard = u.chunk(u.full_grad, self.comm.rank)
+                return
             shard = reduce_scatter(local, self.comm)
             u.grad_shard = shard if first else u.grad_shard + shard
+            if gather:
+                u.full_grad = self._gather_grad(u)
         self.jobs.append(self._submit(job))
         u.arrived, u.reduced = set(), True
         u.local = u.grad if self.stage <= 1 else None  # stage 2: the full gradient is gone
@@ -400,10 +410,9 @@ class Engine:
         self.t += 1
         b1, b2 = self.betas
         for u in self.units:
-            if stage == 0:  # DDP: all-gather the reduced grads (N-1)/N·Ψ_u, update it all
-                g = all_gather(u.grad_shard, self.comm,
-                               out=u.grad if u.grad.dtype == u.grad_shard.dtype else None)
-                lo, hi = 0, u.padded
+            if stage == 0:  # DDP: the all-gathered reduced grads (usually done in backward)
+                g = u.full_grad if u.full_grad is not None else self._gather_grad(u)
+                u.full_grad, lo, hi = None, 0, u.padded
             else:           # ZeRO: update my shard only
                 g = u.grad_shard
                 lo, hi = r * u.shard_size, (r + 1) * u.shard_size
@@ -411,14 +420,12 @@ class Engine:
             if coef is not None:
                 g = g * coef
             decay = decay_factor(u, lo, hi, self.lr, self.weight_decay)
-            new = adamw(u.master, g, u.m, u.v, self.t, self.lr, b1, b2, self.eps, decay)
-            for state, x in zip((u.master, u.m, u.v), new):
-                state.copy_(x)
-            if stage == 0:
+            adamw(u.master, g, u.m, u.v, self.t, self.lr, b1, b2, self.eps, decay)
+            if stage == 0 and u.flat is not u.master:  # (fp32: the master is flat itself)
                 u.flat.copy_(u.master)
-            elif stage <= 2:  # all-gather the updated params: each rank sends (N-1)/N·Ψ_u
+            elif 1 <= stage <= 2:  # all-gather the updated params: each rank sends (N-1)/N·Ψ_u
                 all_gather(u.master.to(self.dtype), self.comm, out=u.flat)
-            else:             # stage 3: keep the shard; it is gathered at the next forward
+            elif stage == 3 and u.shard is not u.master:  # keep the shard for the next forward
                 u.shard.copy_(u.master)
             if stage <= 1:
                 u.grad_shard = None  # stages 0-1 keep gradients in the full bucket
@@ -427,6 +434,10 @@ class Engine:
             if self.clean_steps % self.scale_window == 0:
                 self.scale *= 2
         return True
+
+    def _gather_grad(self, u):
+        """Stage 0: all-gather the reduced gradient, (N-1)/N·Ψ_u, into the full bucket."""
+        return all_gather(u.grad_shard, self.comm, out=u.grad if u.grad.dtype == u.grad_shard.dtype else None)
 
     def _overflow(self):
         """fp16: did any rank's gradient shard overflow? Then every rank skips the step."""

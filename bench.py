@@ -1,0 +1,336 @@
+"""
+Benchmark minizero against torch's own DistributedDataParallel and FSDP2 on local gloo
+CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
+
+    python bench.py                      # the timing table, world size 2
+    python bench.py --world-size 4
+    python bench.py --quick              # CI: tiny model, one rep, a few rows (< 1 min)
+    python bench.py --max-model          # largest GPT per rank budget, stage 0 vs 3, world size 4
+
+Timing: ONE world builds every variant from the same initial weights (each with its own
+fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
+(in an order that rotates), so machine noise hits all alike. A step's time is the slowest
+rank's; the table shows medians over reps. One torch thread per rank (2 cores / 2 ranks;
+at --world-size 4 ranks share cores). Ring headers are off (check=False), as under torchrun.
+
+Memory: peak RSS is a lifetime maximum, so each row's comes from a fresh world that builds
+only that variant. "+model" is the peak above the rank's RSS after a tiny warm-up step (so
+~300 MiB of torch libraries and lazily loaded kernels are baseline). Memory worlds run with
+glibc's mmap threshold fixed (run_measured), so RSS follows the tensors alive.
+
+--max-model: fresh 4-rank worlds train a wide GPT of n_layer blocks for two steps, at
+stage 0 and at stage 3; the largest n_layer whose peak above baseline fits --budget-mb.
+"""
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import minizero
+import ops
+from train_gpt import GPT, GPTConfig
+
+MiB = 2 ** 20
+LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1  # nanoGPT's AdamW: decay only on matrices
+METERED = 2  # untimed steps per variant that count bytes sent
+
+
+@dataclass(frozen=True)
+class Config:
+    world_size: int = 2
+    n_layer: int = 4        # the timing table's GPT; --quick and --max-model change it
+    n_head: int = 4
+    n_embd: int = 256
+    block: int = 64
+    batch: int = 8          # sequences per rank per step
+    reps: int = 7           # interleaved repetitions: the table shows their medians
+    steps: int = 3          # timed steps per variant per rep
+    warmup: int = 2
+    budget_mb: int = 768
+    variants: tuple = ()
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    kind: str  # "ddp", "fsdp2" or "zero"
+    stage: int = 0
+    fast: bool = False
+    overlap: bool = True
+
+
+def variants(quick):
+    ours = lambda s, fast, ov=True: Variant(f"stage{s}-{'fast' if fast else 'ring'}{'' if ov else '-noovl'}",
+                                            "zero", s, fast, ov)  # noqa: E731
+    torch_rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2")]
+    if quick:  # just what the summary line needs
+        return torch_rows + [ours(0, False), ours(0, True), ours(3, False), ours(3, True), ours(3, True, False)]
+    # overlap (the reduce-scatter during backward; at stage 3 also the prefetch) at both ends
+    return torch_rows + [ours(s, f, ov) for s in (0, 1, 2, 3) for f in (False, True)
+                         for ov in ((True, False) if s in (0, 3) else (True,))]
+
+
+# -----------------------------------------------------------------------------
+# one variant: a model with its optimizer, behind step(x, y) -> loss
+
+
+def build(v, comm, gcfg):
+    """The same GPT (same seed, so the same weights) wrapped the variant's way."""
+    model = GPT(gcfg, torch.Generator().manual_seed(1337))
+    if v.kind == "zero":
+        # fast=None: the engine leaves comm.fast alone; we set it per step, since every
+        # engine in this world shares one communicator
+        engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                 decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, fast=None)
+
+        def step(x, y):
+            comm.fast = v.fast
+            _, loss = model(x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+        return step, engine
+    if v.kind == "ddp":
+        model = DDP(model)
+    else:  # FSDP2: every block is its own group, the root (embeddings, tied head) the last
+        for block in model.transformer.h:
+            fully_shard(block)
+        fully_shard(model)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=LR, betas=BETAS, eps=EPS)
+
+    def step(x, y):
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+    return step, None
+
+
+def batches(cfg, rank, n):
+    """n fixed batches of random tokens for this rank: every variant sees the same ones."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randint(0, 256, (n, cfg.batch, cfg.block + 1), generator=g)
+    return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
+
+
+def gpt_config(cfg, n_layer=None):
+    return GPTConfig(n_layer or cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block, 256, True)
+
+
+def run_measured(fn, world_size, *args):
+    """ops.run_processes, with glibc's malloc told to give every block over 128 KiB straight
+    back to the OS (a fixed mmap threshold). By default glibc raises that threshold as big
+    tensors are freed and keeps freed memory cached, per thread arena: peak RSS then swings
+    by 100s of MiB from run to run. With it fixed, RSS follows the tensors alive."""
+    env = dict(os.environ)
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by each spawned rank at start
+    try:
+        return ops.run_processes(fn, world_size, *args, check=False, timeout=600)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+
+
+def loopback_tx():
+    """Bytes sent over this machine's loopback so far (Linux), or None: every rank's gloo
+    traffic, whoever's collectives they are, torch's included."""
+    try:
+        with open("/proc/net/dev") as f:
+            return next(int(line.split(":")[1].split()[8]) for line in f if line.strip().startswith("lo:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def warm_baseline(v, comm, cfg):
+    """Train one step of a tiny model the variant's way, then return RSS: torch's lazily
+    loaded kernels and machinery count as baseline, not as the model's memory."""
+    tiny = replace(cfg, n_layer=1, n_embd=32, n_head=1)
+    build(v, comm, gpt_config(tiny))[0](*batches(tiny, comm.rank, 1)[0])
+    return rss_now()
+
+
+def rss_now():
+    """This process's resident set size in bytes, now (Linux)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+# -----------------------------------------------------------------------------
+# the worlds: each function runs on every rank (spawned by ops.run_processes)
+
+
+def time_world(comm, cfg):
+    """All variants in one world, interleaved. Returns per variant: this rank's seconds
+    per step for each rep, bytes sent in one step, the last loss, and Psi."""
+    torch.set_num_threads(1)
+    gcfg = gpt_config(cfg)
+    built = [build(v, comm, gcfg) for v in cfg.variants]
+    data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps)
+    out = {v.name: dict(times=[], sent=None, loss=None, numel=None) for v in cfg.variants}
+    k = {v.name: 0 for v in cfg.variants}  # each variant walks the same batches in the same order
+
+    def run(v, step, n):
+        for _ in range(n):
+            out[v.name]["loss"] = step(*data[k[v.name]])
+            k[v.name] += 1
+
+    for v, (step, engine) in zip(cfg.variants, built):
+        run(v, step, cfg.warmup)  # allocates optimizer state, records stage 3's gather order
+        wire = []
+        for _ in range(METERED):  # two untimed steps: the ledger, and the loopback's bytes
+            before = sum(comm.sent.values())
+            dist.barrier()
+            tx = loopback_tx()
+            run(v, step, 1)
+            dist.barrier()
+            out[v.name]["sent"] = sum(comm.sent.values()) - before if engine is not None else None
+            wire.append(loopback_tx() - tx if tx is not None else None)
+        # all ranks' traffic shares the one counter: per rank is 1/N of it; the min of two
+        # steps dodges other programs' loopback traffic
+        out[v.name]["wire"] = min(wire) / comm.world_size if None not in wire else None
+        out[v.name]["numel"] = engine.numel() if engine is not None else None
+    pairs = list(zip(cfg.variants, built))
+    for rep in range(cfg.reps):
+        for v, (step, _) in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
+            dist.barrier()  # line the ranks up outside the timed window
+            t0 = time.perf_counter()
+            run(v, step, cfg.steps)
+            out[v.name]["times"].append((time.perf_counter() - t0) / cfg.steps)
+    return out
+
+
+def memory_world(comm, cfg, v, n_layer=None):
+    """One variant alone in a fresh world, two steps: (peak RSS, baseline RSS, Psi)."""
+    torch.set_num_threads(1)
+    base = warm_baseline(v, comm, cfg)
+    step, engine = build(v, comm, gpt_config(cfg, n_layer))
+    for x, y in batches(cfg, comm.rank, 2):  # the second step has all the optimizer state
+        step(x, y)
+    return minizero.peak_memory("cpu"), base, engine.numel() if engine else None
+
+
+# -----------------------------------------------------------------------------
+# the drivers
+
+
+def comm_formula(v, numel, n_params, N):
+    """Bytes one rank sends per step by DESIGN.md's table: 2Psi (DDP, stages 0-2) or 3Psi."""
+    if v.kind == "zero":
+        return sum(minizero.comm_bytes_per_step(numel, N, v.stage, torch.float32).values())
+    return (2 if v.kind == "ddp" else 3) * (N - 1) / N * n_params * 4  # fp32 elements
+
+
+def bench(cfg):
+    N, t_start = cfg.world_size, time.time()
+    n_params = GPT(gpt_config(cfg)).num_params()
+    print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide ({n_params / 1e6:.2f}M params, fp32), batch "
+          f"{cfg.batch}x{cfg.block} per rank, {N} gloo CPU ranks, 1 torch thread each\n"
+          f"medians over {cfg.reps} interleaved reps of {cfg.steps} steps after {cfg.warmup} warm-up; "
+          f"a step's time is the slowest rank's" + ("\n--quick: proves it runs; its times are too short "
+                                                    "to mean much" if cfg.reps == 1 else ""), flush=True)
+    res = ops.run_processes(time_world, N, cfg, check=False, timeout=600)
+    ms = {v.name: 1000 * statistics.median(max(r[v.name]["times"][i] for r in res) for i in range(cfg.reps))
+          for v in cfg.variants}
+    mem = {}
+    for v in cfg.variants:  # one fresh world per row: peak RSS is a lifetime maximum
+        per_rank = run_measured(memory_world, N, cfg, v)
+        mem[v.name] = (max(p for p, _, _ in per_rank), max(p - b for p, b, _ in per_rank))
+    ddp, fsdp = ms["torch-ddp"], ms["torch-fsdp2"]
+    mib = lambda b: "n/a" if b is None else f"{b / MiB:.2f}"  # noqa: E731
+    print(f"\n{'':<41}{'MiB sent/step/rank':^26}{'peak RSS MiB':^17}\n{'variant':<20}{'ms/step':>8}"
+          f"{'/ddp':>6}{'/fsdp2':>7}{'ledger':>9}{'formula':>9}{'wire':>8}{'total':>9}{'+model':>8}")
+    for v in cfg.variants:
+        r0 = res[0][v.name]
+        psi = {"ddp": "  (2Psi)", "fsdp2": "  (3Psi)"}.get(v.kind, "")
+        print(f"{v.name:<20}{ms[v.name]:>8.1f}{ms[v.name] / ddp:>6.2f}{ms[v.name] / fsdp:>7.2f}"
+              f"{mib(r0['sent']):>9}{mib(comm_formula(v, r0['numel'], n_params, N)):>9}{mib(r0['wire']):>8}"
+              f"{mem[v.name][0] / MiB:>9.0f}{mem[v.name][1] / MiB:>8.0f}{psi}")
+    drift = max(abs(res[0][v.name]["loss"] - res[0]["torch-ddp"]["loss"]) for v in cfg.variants)
+    print(f"  ledger: minizero's own count of one step's payload (rank 0); torch keeps none\n"
+          f"  formula: DESIGN.md's ring bytes, (N-1)/N of Psi per collective over Psi\n"
+          f"  wire: loopback bytes of one step, all ranks, / N; gloo's reduce_scatter_tensor is an "
+          f"all-reduce underneath (twice the ring's bytes)\n"
+          f"  peak RSS: max over ranks, a fresh world per row; +model: above the RSS after a tiny warm-up\n"
+          f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
+
+    s0, s3 = ms["stage0-fast"] / ddp, ms["stage3-fast"] / fsdp
+    ovl = ms["stage3-fast"] / ms["stage3-fast-noovl"]
+    ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-fast"] for s in range(4) if f"stage{s}-ring" in ms}
+    worst = max(ring, key=ring.get)
+    ok = lambda good: "met" if good else "MISSED"  # noqa: E731
+    print(f"targets: stage0-fast/ddp <= 1.10 {ok(s0 <= 1.10)}; stage3-fast/fsdp2 <= 1.10 {ok(s3 <= 1.10)}; "
+          f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/fast <= 1.5 {ok(ring[worst] <= 1.5)} "
+          f"(worst stage: {worst})")
+    print(f"summary: stage0-fast/ddp {s0:.2f}x  stage3-fast/fsdp2 {s3:.2f}x  "
+          f"stage3 overlap on/off {ovl:.2f}x  ring/fast {ring[worst]:.2f}x")
+
+
+def max_model(cfg):
+    """The largest n_layer whose measured per-rank peak (above baseline) fits the budget,
+    for stage 0 and stage 3: a secant search (peak RSS is near-linear in n_layer) that
+    ends only when both sides of the boundary are measured, n fits and n + 1 does not."""
+    N, budget, t_start = cfg.world_size, cfg.budget_mb * MiB, time.time()
+    print(f"max model: GPT of width {cfg.n_embd}, batch {cfg.batch}x{cfg.block}, {N} gloo CPU ranks, fp32, "
+          f"ring; budget {cfg.budget_mb} MiB of peak RSS per rank above baseline", flush=True)
+    found = {}
+    for stage in (0, 3):
+        seen = {}  # n_layer -> (peak above baseline, max over ranks; Psi)
+        n, lo, hi = 1, 0, None  # lo: largest n that fits so far; hi: smallest that does not
+        while hi is None or hi > lo + 1:
+            per_rank = run_measured(memory_world, N, cfg, Variant(f"stage{stage}-ring", "zero", stage), n)
+            seen[n] = (max(p - b for p, b, _ in per_rank), per_rank[0][2])
+            fits = seen[n][0] <= budget
+            print(f"  stage {stage}, {n:3d} layers ({seen[n][1] / 1e6:6.1f}M params): peak "
+                  f"{seen[n][0] / MiB:6.0f} MiB, {'fits' if fits else 'too big'}", flush=True)
+            lo, hi = (n, hi) if fits else (lo, n)
+            if hi == 1:
+                break
+            # next guess: the line through the bracket, or through the two largest sizes so far
+            a, b = (lo, hi) if hi else sorted(seen)[-2:] if len(seen) > 1 else (0, n)
+            pa, pb = (seen[a][0] if a else 0), seen[b][0]
+            n = max(lo + 1, a + int((budget - pa) * (b - a) / max(pb - pa, 1)))
+            n = min(n, hi - 1) if hi else n
+        a = min((k for k in seen if 1 < k < lo), default=None)  # the widest span past the first layer
+        per_layer = (seen[lo][0] - seen[a][0]) / (lo - a) if a else float("nan")
+        formula = 16 * (seen[lo][1] - seen[a][1]) / (lo - a) / (N if stage == 3 else 1) if a else float("nan")
+        found[stage] = (lo, seen[lo][1] if lo else 0)
+        print(f"  stage {stage}: largest {lo} layers; near it {per_layer / MiB:.1f} MiB per layer measured, "
+              f"{formula / MiB:.1f} by the formula 16Psi{'/N' if stage == 3 else ''} (fp32 params, "
+              f"grads, Adam m and v)", flush=True)
+    (l0, p0), (l3, p3) = found[0], found[3]
+    print(f"largest fitting: stage 0 {l0} layers ({p0 / 1e6:.1f}M params), stage 3 {l3} layers "
+          f"({p3 / 1e6:.1f}M params) ({time.time() - t_start:.0f} s)")
+    print(f"summary: max model at {N} ranks, {cfg.budget_mb} MiB/rank: stage3/stage0 "
+          f"{p3 / max(p0, 1):.2f}x params ({l3}/{l0} layers; ideal near {N}x)")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 with --max-model)")
+    ap.add_argument("--quick", action="store_true", help="tiny model, one rep, fewer rows: proves it runs")
+    ap.add_argument("--max-model", action="store_true", help="the scale claim: largest model per budget")
+    ap.add_argument("--budget-mb", type=int, default=Config.budget_mb,
+                    help=f"--max-model: MiB of peak RSS per rank above baseline (default {Config.budget_mb})")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant per rep")
+    a = ap.parse_args()
+
+    if a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations
+        cfg = Config(world_size=a.world_size or 4, n_head=8, n_embd=512, block=32, batch=1, budget_mb=a.budget_mb)
+        max_model(cfg)
+    else:
+        cfg = Config(world_size=a.world_size or 2, variants=tuple(variants(a.quick)))
+        if a.quick:
+            cfg = replace(cfg, n_layer=2, n_embd=64, block=32, batch=4, reps=1, steps=2)
+        cfg = replace(cfg, reps=a.reps or cfg.reps, steps=a.steps or cfg.steps)
+        bench(cfg)
