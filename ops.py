@@ -56,9 +56,13 @@ class ThreadComm:
         self.fast = False
         self.device = torch.device("cpu")
 
-    def send(self, t, dst, kind="p2p"):
+    def isend(self, t, dst, kind="p2p"):  # queues never block: the send is done at once
         self.sent[kind] += t.numel() * t.element_size()
         self.world.queues[self.rank, dst].put((kind, t.detach().clone()))
+        return _Later(lambda: None)
+
+    def send(self, t, dst, kind="p2p"):
+        self.isend(t, dst, kind)
 
     def recv(self, t, src, kind="p2p"):
         deadline = time.monotonic() + self.world.timeout
@@ -76,24 +80,23 @@ class ThreadComm:
             raise _mismatch(self.rank, _describe(kind, t), src, _describe(got_kind, payload))
         t.copy_(payload)
 
-    def isend(self, t, dst, kind="p2p"):
-        self.send(t, dst, kind)  # queues never block, so the send is done at once
-        return _Done()
-
     def irecv(self, t, src, kind="p2p"):
         return _Later(lambda: self.recv(t, src, kind))
 
-    # the "fast path" of the thread world: every rank reads the others' buffers
-    # straight from shared memory, as a native collective would.
-    def _exchange(self, x, kind):
+    def native(self, op, x, out, kind):
+        """The thread world's "fast path": every rank reads the others' x straight from
+        shared memory, as a native collective would, and sums in rank order."""
         w = self.world
         w.slots[self.rank] = (kind, x.detach())
         self._barrier()
         for src, (k, y) in enumerate(w.slots):
             if k != kind or y.shape != x.shape or y.dtype != x.dtype:
                 raise _mismatch(self.rank, _describe(kind, x), src, _describe(k, y))
-        ys = [y for _, y in w.slots]
-        return ys
+        ys = torch.stack([y for _, y in w.slots])
+        out.copy_(ys.view(-1) if op == "all_gather" else
+                  ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
+        self._barrier()  # nobody may reuse its slot until everyone has read it
+        return out
 
     def _barrier(self):
         try:
@@ -101,29 +104,10 @@ class ThreadComm:
         except threading.BrokenBarrierError:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
 
-    def native_reduce_scatter(self, x, kind):
-        ys, s = self._exchange(x, kind), x.numel() // self.world_size
-        out = torch.stack([y[self.rank * s:(self.rank + 1) * s] for y in ys]).sum(0)
-        self._barrier()  # nobody may reuse its slot until everyone has read it
-        return out
-
-    def native_all_gather(self, shard, out, kind):
-        out.copy_(torch.cat(self._exchange(shard, kind)))
-        self._barrier()
-        return out
-
-    def native_all_reduce(self, x, kind):
-        out = torch.stack(self._exchange(x, kind)).sum(0)
-        self._barrier()
-        return out
-
-
-class _Done:
-    def wait(self):
-        pass
-
 
 class _Later:
+    """A pending operation; wait() finishes it."""
+
     def __init__(self, fn):
         self.wait = fn
 
@@ -206,38 +190,26 @@ class ProcessComm:
     def irecv(self, t, src, kind="p2p"):
         return _Later(lambda: self.recv(t, src, kind))
 
-    def _check_all(self, kind, x):  # a small all-gather of headers before a native collective
-        h = self._header(kind, x)
-        hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
-        self._wait(_all_gather_single(hs, h, async_op=True), "header all-gather")
-        for src, g in enumerate(hs.view(self.world_size, -1)):
-            if not torch.equal(g, h):
-                raise _mismatch(self.rank, _describe(kind, x), src, bytes(g.cpu().tolist()).decode().strip())
-
-    def native_reduce_scatter(self, x, kind):
+    def native(self, op, x, out, kind):
+        """torch's own collective (NCCL on GPU) of x into out; with check=True, a small
+        all-gather of headers first catches ranks in mismatched collectives."""
         if self.check:
-            self._check_all(kind, x)
-        out = torch.empty(x.numel() // self.world_size, dtype=x.dtype, device=x.device)
-        self._wait(_reduce_scatter_single(out, x, async_op=True), kind)
-        return out
-
-    def native_all_gather(self, shard, out, kind):
-        if self.check:
-            self._check_all(kind, shard)
-        self._wait(_all_gather_single(out, shard.contiguous(), async_op=True), kind)
-        return out
-
-    def native_all_reduce(self, x, kind):
-        if self.check:
-            self._check_all(kind, x)
-        out = x.clone()
-        self._wait(dist.all_reduce(out, async_op=True), kind)
+            h = self._header(kind, x)
+            hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
+            self._wait(_NATIVE["all_gather"](hs, h, async_op=True), "header all-gather")
+            for src, g in enumerate(hs.view(self.world_size, -1)):
+                if not torch.equal(g, h):
+                    raise _mismatch(self.rank, _describe(kind, x), src, bytes(g.cpu().tolist()).decode().strip())
+        if op == "all_reduce":
+            self._wait(dist.all_reduce(out.copy_(x), async_op=True), kind)
+        else:
+            self._wait(_NATIVE[op](out, x.contiguous(), async_op=True), kind)
         return out
 
 
 # torch's own collectives: *_single in newer torch, *_tensor in older (same arguments)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
+           "all_gather": getattr(dist, "all_gather_single", dist.all_gather_into_tensor)}
 
 
 def init_from_env(timeout=300.0, check=False, fast=True):
@@ -324,9 +296,9 @@ def reduce_scatter(x, comm, kind="reduce_scatter"):
     chunks = _chunks(x, n)
     if n == 1:
         return chunks[0].clone()
-    if comm.fast:
+    if comm.fast:  # booked as the ring would send
         comm.sent[kind] += (n - 1) * chunks[0].numel() * x.element_size()
-        return comm.native_reduce_scatter(x, kind)
+        return comm.native("reduce_scatter", x, torch.empty_like(chunks[0]), kind)
     right, left = (r + 1) % n, (r - 1) % n
     acc = chunks[(r - 1) % n].clone()   # step 0: my own piece of chunk r-1 starts its journey
     incoming = torch.empty_like(acc)
@@ -348,7 +320,7 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
         return out.copy_(shard)
     if comm.fast:
         comm.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
-        return comm.native_all_gather(shard, out, kind)
+        return comm.native("all_gather", shard, out, kind)
     chunks[r].copy_(shard)
     right, left = (r + 1) % n, (r - 1) % n
     for k in range(n - 1):              # hop k: pass on chunk r-k, receive chunk r-1-k
@@ -364,10 +336,10 @@ def all_reduce(x, comm):
     booked as the ring's two halves (gloo's reduce-scatter is itself an all-reduce)."""
     n = comm.world_size
     if comm.fast and n > 1:
-        per = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
-        comm.sent["reduce_scatter"] += per
-        comm.sent["all_gather"] += per
-        return comm.native_all_reduce(x, "all_reduce")
+        half = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
+        comm.sent["reduce_scatter"] += half
+        comm.sent["all_gather"] += half
+        return comm.native("all_reduce", x, torch.empty_like(x), "all_reduce")
     return all_gather(reduce_scatter(x, comm), comm)
 
 
