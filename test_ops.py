@@ -185,18 +185,22 @@ def test_broadcast_copies_rank0(n):
 # -----------------------------------------------------------------------------
 # 3. the fast path on threads: same results to tolerance, same ledger
 
-def _ring_and_fast(comm, chunk, dtype, seed):
+def _ring_and_fast(comm, chunk, dtype, seed, with_all_reduce=False):
+    """reduce_scatter, all_gather (and all_reduce) on the ring and on the fast path:
+    {fast: (results..., ledger deltas...)}."""
     n, r = comm.world_size, comm.rank
     x, shard = make_input(r, n * chunk, dtype, seed), make_input(r + 100, chunk, dtype, seed)
+    calls = [lambda: ops.reduce_scatter(x, comm), lambda: ops.all_gather(shard, comm)]
+    calls += [lambda: ops.all_reduce(x, comm)] if with_all_reduce else []
     out = {}
     for fast in (False, True):
         comm.fast = fast
-        b0 = sent(comm)
-        rs = ops.reduce_scatter(x, comm)
-        b1 = sent(comm)
-        ag = ops.all_gather(shard, comm)
-        b2 = sent(comm)
-        out[fast] = rs, ag, ledger_delta(b0, b1), ledger_delta(b1, b2)
+        results, deltas = [], []
+        for call in calls:
+            before = sent(comm)
+            results.append(call())
+            deltas.append(ledger_delta(before, sent(comm)))
+        out[fast] = (*results, *deltas)
     return out
 
 
@@ -299,19 +303,7 @@ def _fixed_cases(comm, save_dir=None):
     n, r = comm.world_size, comm.rank
     out = []
     for dtype, chunk, seed in PROC_CASES:
-        x, shard = make_input(r, n * chunk, dtype, seed), make_input(r + 100, chunk, dtype, seed)
-        case = {}
-        for fast in (False, True):
-            comm.fast = fast
-            b0 = sent(comm)
-            rs = ops.reduce_scatter(x, comm)
-            b1 = sent(comm)
-            ag = ops.all_gather(shard, comm)
-            b2 = sent(comm)
-            ar = ops.all_reduce(x, comm)
-            b3 = sent(comm)
-            case[fast] = (rs, ag, ar, ledger_delta(b0, b1), ledger_delta(b1, b2), ledger_delta(b2, b3))
-        out.append(case)
+        out.append(_ring_and_fast(comm, chunk, dtype, seed, with_all_reduce=True))
     comm.fast = False
     f = torch.arange(5.0) if r == 0 else torch.zeros(5)
     b = torch.tensor([True, False, True]) if r == 0 else torch.zeros(3, dtype=torch.bool)
