@@ -110,7 +110,7 @@ class Unit:
 
 
 # -----------------------------------------------------------------------------
-# the pure pieces: AdamW on fp32 tensors, gradient clipping, the formulas
+# the pieces that need no engine: AdamW on fp32 shards, clipping, the formulas
 
 
 def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
@@ -177,7 +177,7 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
 
 # -----------------------------------------------------------------------------
 # the engine: the one stateful object, because autograd's hooks need somewhere to
-# keep what they see. It drives the pure pieces above.
+# keep what they see. It drives the pieces above.
 
 
 class Engine:
