@@ -27,7 +27,7 @@ def test_ds_config_maps_to_overrides():
 
 @pytest.mark.parametrize("ds, key", [
     ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "zero_optimization.overlap_comm"),
-    ({"train_batch_size": 32}, "train_batch_size"),
+    ({"train_batch_size": 32, "wall_clock_breakdown": True}, "wall_clock_breakdown"),
     ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16.loss_scale"),
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}}, "optimizer.params.amsgrad"),
 ])
@@ -201,3 +201,13 @@ def test_save_at_two_ranks_stage3_resume_at_three_ranks_stage1(tmp_path):
     second = ops.run_threads(tg.train, 3, cfg)[0]
     assert second["train"][0][0] == 6 and second["val"][0] == first["val"][-1]
     assert second["val"][-1][1] < second["val"][0][1]
+
+
+def test_train_batch_size_must_divide_by_world_size():
+    from types import SimpleNamespace as C
+    assert tg.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=1), 3) == 4
+    with pytest.raises(ValueError, match="train_batch_size 50 is not divisible by the micro batch 4 x world size 3"):
+        tg.grad_accum_for(C(global_batch=50, batch_size=4, grad_accum=1), 3)
+    with pytest.raises(ValueError, match="needs grad_accum 4, but gradient_accumulation_steps is 2"):
+        tg.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=2), 3)
+    assert tg.parse_ds_config({"train_batch_size": 48}) == {"global_batch": 48}

@@ -179,7 +179,7 @@ DEFAULTS = dict(
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, fast=None, preset=None, config=None,
-    sample_tokens=200,
+    sample_tokens=200, global_batch=None,
 )
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -192,6 +192,7 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
     "bf16.enabled": ("bf16", lambda v: type(v) is bool, "true or false"),
     "fp16.enabled": ("fp16", lambda v: type(v) is bool, "true or false"),
     "gradient_accumulation_steps": ("grad_accum", _int, "an integer >= 1"),
+    "train_batch_size": ("global_batch", _int, "an integer >= 1"),
     "train_micro_batch_size_per_gpu": ("batch_size", _int, "an integer >= 1"),
     "gradient_clipping": ("clip", _num, "a number >= 0 (0: no clipping)"),
     "optimizer.type": ("optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW (minizero's only optimizer)"),
@@ -262,6 +263,20 @@ def parse_args(argv=None):
 # training
 
 
+def grad_accum_for(c, world_size):
+    """DeepSpeed's rule: train_batch_size = micro batch x grad_accum x world size."""
+    if c.global_batch is None:
+        return c.grad_accum
+    if c.global_batch % (c.batch_size * world_size):
+        raise ValueError(f"train_batch_size {c.global_batch} is not divisible by the micro batch "
+                         f"{c.batch_size} x world size {world_size}; change the batch or the number of ranks")
+    ga = c.global_batch // (c.batch_size * world_size)
+    if c.grad_accum not in (1, ga):
+        raise ValueError(f"train_batch_size {c.global_batch} = {c.batch_size} x grad_accum x {world_size} "
+                         f"needs grad_accum {ga}, but gradient_accumulation_steps is {c.grad_accum}")
+    return ga
+
+
 def get_lr(step, c):
     """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT)."""
     if step < c.warmup:
@@ -279,6 +294,7 @@ def train(comm, cfg):
     from types import SimpleNamespace
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
     rank, N, device = comm.rank, comm.world_size, comm.device
+    c.grad_accum = grad_accum_for(c, N)
     tokens_per_step = c.batch_size * c.block_size * c.grad_accum * N  # over all ranks
     cuda = device.type == "cuda"
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
