@@ -36,13 +36,16 @@ class PeerFailed(RuntimeError):
     """Raised on a rank whose peer failed or went silent: the world cannot go on."""
 
 
-def _describe(kind, t):
-    return f"{kind} of {t.numel()} x {str(t.dtype).replace('torch.', '')}"
+def _describe(kind, t):  # at most 64 characters: it travels as the processes' header
+    return f"{kind} of {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"[:64]
 
 
-def _mismatch(rank, want, src, got):
-    return ValueError(f"mismatched collectives: rank {rank} is in {want} but rank {src} "
-                      f"sent {got}; every rank must call the same collectives in the same order")
+def _expect(rank, kind, t, src, got):
+    """The mismatch check of both transports: rank src's header `got` must describe the
+    collective this rank is in (kind, size, dtype), or the world would hang or sum garbage."""
+    if got != _describe(kind, t):
+        raise ValueError(f"mismatched collectives: rank {rank} is in {_describe(kind, t)} but rank {src} "
+                         f"sent {got}; every rank must call the same collectives in the same order")
 
 
 # -----------------------------------------------------------------------------
@@ -76,8 +79,7 @@ class ThreadComm:
                 if time.monotonic() > deadline:
                     raise PeerFailed(f"rank {self.rank}: no message from rank {src} within "
                                      f"{self.world.timeout}s ({_describe(kind, t)})")
-        if got_kind != kind or payload.shape != t.shape or payload.dtype != t.dtype:
-            raise _mismatch(self.rank, _describe(kind, t), src, _describe(got_kind, payload))
+        _expect(self.rank, kind, t, src, _describe(got_kind, payload))
         t.copy_(payload)
 
     def irecv(self, t, src, kind="p2p"):
@@ -90,8 +92,7 @@ class ThreadComm:
         w.slots[self.rank] = (kind, x.detach())
         self._barrier()
         for src, (k, y) in enumerate(w.slots):
-            if k != kind or y.shape != x.shape or y.dtype != x.dtype:
-                raise _mismatch(self.rank, _describe(kind, x), src, _describe(k, y))
+            _expect(self.rank, kind, x, src, _describe(k, y))
         ys = torch.stack([y for _, y in w.slots])
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
@@ -159,8 +160,11 @@ class ProcessComm:
             if dist.get_backend() == "nccl" else torch.device("cpu")
 
     def _header(self, kind, t):
-        h = _describe(kind, t).encode().ljust(64)[:64]
+        h = _describe(kind, t).encode().ljust(64)
         return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(t.device)
+
+    def _check(self, kind, t, src, header):
+        _expect(self.rank, kind, t, src, bytes(header.cpu().tolist()).decode().strip())
 
     def _wait(self, work, what):
         try:
@@ -180,11 +184,9 @@ class ProcessComm:
 
     def recv(self, t, src, kind="p2p"):
         if self.check:
-            h = self._header(kind, t)
-            got = torch.empty_like(h)
+            got = torch.empty(64, dtype=torch.uint8, device=t.device)
             self._wait(dist.irecv(got, src), f"recv from rank {src}")
-            if not torch.equal(got, h):
-                raise _mismatch(self.rank, _describe(kind, t), src, bytes(got.cpu().tolist()).decode().strip())
+            self._check(kind, t, src, got)
         self._wait(dist.irecv(t, src), f"recv from rank {src}")
 
     def irecv(self, t, src, kind="p2p"):
@@ -198,8 +200,7 @@ class ProcessComm:
             hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
             self._wait(_NATIVE["all_gather"](hs, h, async_op=True), "header all-gather")
             for src, g in enumerate(hs.view(self.world_size, -1)):
-                if not torch.equal(g, h):
-                    raise _mismatch(self.rank, _describe(kind, x), src, bytes(g.cpu().tolist()).decode().strip())
+                self._check(kind, x, src, g)
         if op == "all_reduce":
             self._wait(dist.all_reduce(out.copy_(x), async_op=True), kind)
         else:
