@@ -27,7 +27,7 @@ import resource
 import sys
 import weakref
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import torch.nn as nn
@@ -214,7 +214,8 @@ class Engine:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
 
-        groups, cross = group_params(model, default_units(model) if units is None else list(units))
+        modules = default_units(model) if units is None else list(units)
+        groups, cross = group_params(model, modules)
         if cross and stage == 3:
             a, b = cross[0]
             raise ValueError(f"{a} and {b} are one parameter tied across two units; stage 3 "
@@ -222,8 +223,8 @@ class Engine:
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
         N, r = comm.world_size, comm.rank
-        self.units = [Unit(m, g, N, dtype) for m, g in zip(default_units(model) if units is None
-                                                           else units, groups) if g]
+        self.units = [Unit(m, g, N, dtype) for m, g in zip(modules, groups) if g]
+        self.device = self.units[0].flat.device
         # as DDP does: every rank starts from rank 0's values (each rank sends ≤ Ψ once)
         for u in self.units:
             broadcast(u.flat, comm)
@@ -243,14 +244,13 @@ class Engine:
             u.master = mine if dtype == torch.float32 else mine.float()
             u.m, u.v = torch.zeros_like(u.master), torch.zeros_like(u.master)
             if stage <= 1:  # the full gradient bucket that backward writes into
-                u.grad = torch.zeros(u.padded, dtype=dtype, device=u.flat.device)
+                u.grad = torch.zeros(u.padded, dtype=dtype, device=self.device)
             else:           # stages 2-3 keep only the reduced gradient shard
                 u.grad = None
-                u.grad_shard = torch.zeros(u.shard_size, dtype=self.reduce_dtype, device=u.flat.device)
+                u.grad_shard = torch.zeros(u.shard_size, dtype=self.reduce_dtype, device=self.device)
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: me._on_grad(u, i, p))
             if stage == 3:
-                u.pending = _Done(None)
                 self._release(u)
                 u.module.register_forward_pre_hook(lambda mod, args, u=u: me._gather(u, me.fwd_order))
                 u.module.register_forward_hook(lambda mod, args, out, u=u: me._after_forward(u, out))
@@ -265,7 +265,9 @@ class Engine:
         computes; return its future. Every rank submits the same collectives in the same
         order and one thread runs them in that order, so they pair up across ranks."""
         if self.pool is None:
-            return _Done(job())
+            done = Future()
+            done.set_result(job())
+            return done
         if self.side is None:
             return self.pool.submit(job)
         ready = torch.cuda.Event()
@@ -331,12 +333,19 @@ class Engine:
 
     # ---- backward: collect local gradients, reduce-scatter each unit once it is complete
 
+    def _bucket(self, u):
+        """The unit's full local-gradient buffer: stages 0-1 keep one (u.grad); at stages
+        2-3 it lives only from the unit's first gradient to its reduce-scatter."""
+        if self.stage <= 1:
+            return u.grad
+        if u.local is None:
+            u.local = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        return u.local
+
     def _on_grad(self, u, i, p):
         """Parameter i of unit u has its local gradient: move it into the unit's bucket."""
-        if u.local is None:  # stages 2-3: a full bucket lives only until its reduce-scatter
-            u.local = torch.zeros(u.padded, dtype=self.dtype, device=u.flat.device)
         o = u.offsets[i]
-        u.local[o:o + p.numel()].copy_(p.grad.view(-1))
+        self._bucket(u)[o:o + p.numel()].copy_(p.grad.view(-1))
         p.grad = None
         u.arrived.add(i)
         if len(u.arrived) == len(u.params):
@@ -345,10 +354,11 @@ class Engine:
     def _reduce(self, u):
         """Reduce-scatter the unit's gradient: each rank sends (N-1)/N·Ψ_u and keeps its
         shard, summed over micro-batches in order (the same in every stage)."""
+        bucket = self._bucket(u)
         for i in set(range(len(u.params))) - u.arrived:  # a parameter that got no gradient
             o = u.offsets[i]
-            u.local[o:o + u.params[i].numel()].zero_()
-        local, first = u.local.to(self.reduce_dtype), self.micro == 0
+            bucket[o:o + u.params[i].numel()].zero_()
+        local, first = bucket.to(self.reduce_dtype), self.micro == 0
         # DDP can all-gather the reduced gradient now, while backward goes on (fp16 waits
         # for step()'s overflow check, so that a skipped step sends nothing more)
         gather = self.stage == 0 and self.micro == self.grad_accum - 1 and self.dtype != torch.float16
@@ -363,8 +373,7 @@ class Engine:
             if gather:
                 u.full_grad = self._gather_grad(u)
         self.jobs.append(self._submit(job))
-        u.arrived, u.reduced = set(), True
-        u.local = u.grad if self.stage <= 1 else None  # stage 2: the full gradient is gone
+        u.arrived, u.reduced, u.local = set(), True, None  # stage 2: the full gradient is gone
         if self.stage == 3:
             self._release(u)
 
@@ -376,12 +385,9 @@ class Engine:
                                f"with grad_accum={self.grad_accum}; call engine.step()")
         for u in self.units:
             u.reduced = False
-            u.local = u.grad
         (loss.float() * (self.scale / self.grad_accum)).backward()
         for u in self.units:  # units whose parameters were not all used: reduce them now
             if not u.reduced:
-                if u.local is None:
-                    u.local = torch.zeros(u.padded, dtype=self.dtype, device=u.flat.device)
                 self._reduce(u)
         self._drain()
         if self.stage == 3:
@@ -442,8 +448,7 @@ class Engine:
     def _overflow(self):
         """fp16: did any rank's gradient shard overflow? Then every rank skips the step."""
         bad = any(not torch.isfinite(u.grad_shard).all() for u in self.units)
-        flags = all_gather(torch.tensor([float(bad)], device=self.units[0].flat.device),
-                           self.comm, kind="overflow")
+        flags = all_gather(torch.tensor([float(bad)], device=self.device), self.comm, kind="overflow")
         return bool(flags.any())
 
     # ---- what leaves the engine
@@ -487,19 +492,18 @@ class Engine:
         comm, r = self.comm, self.comm.rank
         self._drain()
         os.makedirs(path, exist_ok=True)
-        nonce = broadcast(torch.randint(0, 2**31, (1,), device=self.units[0].flat.device), comm, kind="checkpoint")
+        nonce = broadcast(torch.randint(0, 2**31, (1,), device=self.device), comm, kind="checkpoint")
         tag = f"{self.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
         shard = {"units": [{k: (u.chunk(getattr(u, k), r) if self.stage == 0 else getattr(u, k)).cpu()
                             for k in ("master", "m", "v")} for u in self.units]}
         if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
-            trainable = {id(p) for u in self.units for p in u.params}
             shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
-                              for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+                              for n, t in self._frozen().items()}
         try:
             digest, error = _write_atomic(os.path.join(path, f"shard-{tag}-{r}.pt"), shard), ""
         except OSError as e:
             digest, error = bytes(32), str(e)
-        report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=self.units[0].flat.device)
+        report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=self.device)
         reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
         failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
         if failed:
@@ -513,15 +517,20 @@ class Engine:
             for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
                 if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
                     os.remove(os.path.join(path, f))
-        all_gather(torch.zeros(1, device=self.units[0].flat.device), comm, kind="checkpoint")  # done, everywhere
+        all_gather(torch.zeros(1, device=self.device), comm, kind="checkpoint")  # done, everywhere
+
+    def _frozen(self):
+        """{name: tensor} of the model's state that is not a trainable parameter."""
+        trainable = {id(p) for u in self.units for p in u.params}
+        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
 
     def _manifest(self, tag, digests):
-        aliases = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
+        aliases, state = {}, self.model.state_dict(keep_vars=True)
+        for name, t in state.items():
             aliases.setdefault(id(t), []).append(name)
         return {"format": "minizero-1", "tag": tag, "step": self.t, "scale": self.scale,
                 "clean_steps": self.clean_steps, "world_size": self.comm.world_size, "stage": self.stage,
-                "dtype": str(self.dtype), "state_dict": list(self.model.state_dict().keys()),
+                "dtype": str(self.dtype), "state_dict": list(state),
                 "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
                             "weight_decay": self.weight_decay, "grad_accum": self.grad_accum, "clip": self.clip},
                 "units": [{"numel": u.numel, "padded": u.padded,
@@ -538,8 +547,7 @@ class Engine:
         mine = {n: p for u in self.units for n, p in zip(u.names, u.params)}
         _check_same(path, {n: list(p.shape) for n, p in mine.items()},
                     {n: v["shape"] for n, v in params.items()}, "trainable parameter")
-        frozen = {n: t for n, t in self.model.state_dict(keep_vars=True).items()
-                  if id(t) not in {id(p) for p in mine.values()}}
+        frozen = self._frozen()
         _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
                     {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
         r = self.comm.rank
@@ -640,16 +648,6 @@ def _check_same(path, ours, theirs, what):
         if ours.get(n) != theirs.get(n):
             raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
                              f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
-
-
-class _Done:
-    """A future that is already done: communication ran inline (overlap=False)."""
-
-    def __init__(self, value):
-        self.value = value
-
-    def result(self):
-        return self.value
 
 
 def _tensors(x):
