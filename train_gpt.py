@@ -15,6 +15,7 @@ import os
 import sysconfig
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -291,7 +292,6 @@ def fmt_bytes(n):
 
 def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
-    from types import SimpleNamespace
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
     rank, N, device = comm.rank, comm.world_size, comm.device
     c.grad_accum = grad_accum_for(c, N)
@@ -359,12 +359,11 @@ def train(comm, cfg):
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss_sum / c.grad_accum))
-        if comm_step is None:  # what one step sends, against the formulas' 2Ψ / 3Ψ
+        if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
-            psi_bytes = n_params * dtype.itemsize * (N - 1) / N
-            log(f"bytes sent per step by rank 0: {sum(comm_step.values()):,} = "
-                f"{sum(comm_step.values()) / psi_bytes if N > 1 else 0:.2f} ring collectives over Psi; "
-                + " ".join(f"{k}={v:,}" for k, v in sorted(comm_step.items())))
+            expect = minizero.comm_bytes_per_step(engine.numel(), N, c.stage, dtype, c.grad_accum)
+            log("bytes sent per step by rank 0: " + ", ".join(
+                f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
         if step % 10 == 0 or step == c.steps - 1:
             tok_s = tokens_per_step / times[-1]
             mfu = ""
@@ -376,9 +375,10 @@ def train(comm, cfg):
 
     timed = times[min(len(times) - 1, 5):] or [float("nan")]  # the first steps are warm-up
     ms = 1000 * sum(timed) / len(timed)
+    tok_s = tokens_per_step / ms * 1000
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
-    log(f"{ms:.1f} ms/step, {tokens_per_step / ms * 1000:,.0f} tok/s"
+    log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s"
         + (f", {skipped} fp16 steps skipped" if skipped else ""))
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
@@ -389,9 +389,7 @@ def train(comm, cfg):
                          generator=torch.Generator(device).manual_seed(c.seed))
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     log("-" * 40 + "\n" + sample + "\n" + "-" * 40)
-    return dict(train=train_curve, val=val_curve, ms_per_step=ms,
-                tokens_per_s=tokens_per_step / ms * 1000,
-                peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
+    return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
                 n_params=n_params, skipped=skipped, sample=sample)
 
 
