@@ -224,10 +224,10 @@ def memory_world(comm, cfg, v, n_layer=None):
 
 
 def comm_formula(v, numel, n_params, N):
-    """Bytes one rank sends per step by DESIGN.md's table: 2Psi (DDP, stages 0-2) or 3Psi."""
-    if v.kind == "zero":
-        return sum(minizero.comm_bytes_per_step(numel, N, v.stage, torch.float32).values())
-    return (2 if v.kind == "ddp" else 3) * (N - 1) / N * n_params * 4  # fp32 elements
+    """Bytes one rank sends per step by DESIGN.md's table: 2Psi (DDP, stages 0-2) or 3Psi
+    (FSDP2, stage 3); torch's rows count Psi unpadded."""
+    stage = {"ddp": 0, "fsdp2": 3}.get(v.kind, v.stage)
+    return sum(minizero.comm_bytes_per_step(numel or n_params, N, stage, torch.float32).values())
 
 
 def bench(cfg):
@@ -302,7 +302,8 @@ def max_model(cfg):
             n = min(n, hi - 1) if hi else n
         a = min((k for k in seen if 1 < k < lo), default=None)  # the widest span past the first layer
         per_layer = (seen[lo][0] - seen[a][0]) / (lo - a) if a else float("nan")
-        formula = 16 * (seen[lo][1] - seen[a][1]) / (lo - a) / (N if stage == 3 else 1) if a else float("nan")
+        formula = sum(minizero.model_state_bytes(seen[lo][1] - seen[a][1], N, stage, torch.float32).values()) \
+            / (lo - a) if a else float("nan")
         found[stage] = (lo, seen[lo][1] if lo else 0)
         print(f"  stage {stage}: largest {lo} layers; near it {per_layer / MiB:.1f} MiB per layer measured, "
               f"{formula / MiB:.1f} by the formula 16Psi{'/N' if stage == 3 else ''} (fp32 params, "
