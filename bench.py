@@ -61,13 +61,13 @@ class Variant:
     name: str
     kind: str  # "ddp", "fsdp2" or "zero"
     stage: int = 0
-    fast: bool = False
+    native: bool = False
     overlap: bool = True
 
 
 def variants(quick):
-    ours = lambda s, fast, ov=True: Variant(f"stage{s}-{'fast' if fast else 'ring'}{'' if ov else '-noovl'}",
-                                            "zero", s, fast, ov)  # noqa: E731
+    ours = lambda s, native, ov=True: Variant(f"stage{s}-{'native' if native else 'ring'}{'' if ov else '-noovl'}",
+                                              "zero", s, native, ov)  # noqa: E731
     torch_rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2")]
     if quick:  # just what the summary line needs
         return torch_rows + [ours(0, False), ours(0, True), ours(3, False), ours(3, True), ours(3, True, False)]
@@ -84,13 +84,13 @@ def build(v, comm, gcfg):
     """The same GPT (same seed, so the same weights) wrapped the variant's way."""
     model = GPT(gcfg, torch.Generator().manual_seed(1337))
     if v.kind == "zero":
-        # fast=None: the engine leaves comm.fast alone; we set it per step, since every
+        # native=None: the engine leaves comm.native alone; we set it per step, since every
         # engine in this world shares one communicator
         engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                 decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, fast=None)
+                                 decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None)
 
         def step(x, y):
-            comm.fast = v.fast
+            comm.native = v.native
             _, loss = model(x, y)
             engine.backward(loss)
             engine.step()
@@ -263,16 +263,16 @@ def bench(cfg):
           f"  peak RSS: max over ranks, a fresh world per row; +model: above the RSS after a tiny warm-up\n"
           f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
 
-    s0, s3 = ms["stage0-fast"] / ddp, ms["stage3-fast"] / fsdp
-    ovl = ms["stage3-fast"] / ms["stage3-fast-noovl"]
-    ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-fast"] for s in range(4) if f"stage{s}-ring" in ms}
+    s0, s3 = ms["stage0-native"] / ddp, ms["stage3-native"] / fsdp
+    ovl = ms["stage3-native"] / ms["stage3-native-noovl"]
+    ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-native"] for s in range(4) if f"stage{s}-ring" in ms}
     worst = max(ring, key=ring.get)
     ok = lambda good: "met" if good else "MISSED"  # noqa: E731
-    print(f"targets: stage0-fast/ddp <= 1.10 {ok(s0 <= 1.10)}; stage3-fast/fsdp2 <= 1.10 {ok(s3 <= 1.10)}; "
-          f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/fast <= 1.5 {ok(ring[worst] <= 1.5)} "
+    print(f"targets: stage0-native/ddp <= 1.10 {ok(s0 <= 1.10)}; stage3-native/fsdp2 <= 1.10 {ok(s3 <= 1.10)}; "
+          f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
           f"(worst stage: {worst})")
-    print(f"summary: stage0-fast/ddp {s0:.2f}x  stage3-fast/fsdp2 {s3:.2f}x  "
-          f"stage3 overlap on/off {ovl:.2f}x  ring/fast {ring[worst]:.2f}x")
+    print(f"summary: stage0-native/ddp {s0:.2f}x  stage3-native/fsdp2 {s3:.2f}x  "
+          f"stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x")
 
 
 def max_model(cfg):

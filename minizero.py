@@ -1,11 +1,15 @@
 """
 minizero: data-parallel training with the Zero Redundancy Optimizer, DDP (stage 0) and
-ZeRO stages 1, 2 and 3, in one small file.
+ZeRO stages 1, 2 and 3, read top to bottom in three parts:
 
-Every stage uses the same layout: a model's trainable parameters are grouped into units
-(each block of an nn.ModuleList, plus the root for the rest), and each unit is flattened
-into one buffer padded to a multiple of the world size N. Rank r owns chunk r of it.
-The stages differ only in what a rank keeps (Ψ = parameter count):
+    1. the layout    every stage cuts the model's parameters the same way
+    2. the stages    what each stage keeps, and the functions that reduce, update and gather
+    3. the engine    the one stateful object: it wires those functions to autograd's hooks
+
+A model's trainable parameters are grouped into units (each block of an nn.ModuleList,
+plus the root for the rest); each unit is flattened into one buffer padded to a multiple
+of the world size N, and rank r owns chunk r of it. The stages differ only in what a
+rank keeps (Ψ = parameter count):
 
     stage   params  grads  optimizer   sends per step
     0 DDP   full    full   full        reduce-scatter grads + all-gather grads    2Ψ
@@ -15,29 +19,29 @@ The stages differ only in what a rank keeps (Ψ = parameter count):
 
 Gradients are always reduced with the same ring reduce-scatter (ops.py), so the reduced
 gradient shard is the same bits in every stage; AdamW is elementwise, so updating a shard
-gives the same bits as updating the whole buffer. Hence every stage is bit-identical to DDP.
+gives the same bits as updating the whole buffer. Hence every stage is bit-identical to
+DDP. DESIGN.md has the whole argument.
 """
 import argparse
-import hashlib
-import io
-import json
 import math
-import os
 import resource
 import sys
 import weakref
-
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
-from ops import all_gather, all_reduce, broadcast, reduce_scatter
+import checkpoint
+from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
+from ops import Pending, all_gather, all_reduce, broadcast, reduce_scatter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # -----------------------------------------------------------------------------
-# the layout: units of parameters, each flattened into one padded buffer
+# 1. the layout: units of parameters, each flattened into one padded buffer
 
 
 def default_units(model):
@@ -83,43 +87,74 @@ def group_params(model, units):
 
 
 class Unit:
-    """One unit's parameters flattened into `flat` (padded to a multiple of N); the
-    module's parameters become views into it. Also holds this rank's state for the unit."""
+    """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
+    everything this rank keeps for it. What the stage shards is held as rank r's chunk."""
 
-    def __init__(self, module, named, world_size, dtype):
-        self.module = module
-        self.names, self.params = [n for n, _ in named], [p for _, p in named]
-        self.offsets, self.numel = [], 0
-        for p in self.params:
-            self.offsets.append(self.numel)
-            self.numel += p.numel()
-        self.padded = -(-self.numel // world_size) * world_size  # zeros up to a multiple of N
-        self.shard_size = self.padded // world_size
-        self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)
+    def __init__(self, module, named, comm, dtype, reduce_dtype, sharded, decays):
+        N, r = comm.world_size, comm.rank
+        self.module = module                        # the nn.Module whose parameters these are
+        self.names = [n for n, _ in named]          # their names in the model, in registration order
+        self.params = [p for _, p in named]         # the nn.Parameters: views into flat
+        sizes = [p.numel() for p in self.params]
+        self.offsets = list(accumulate(sizes, initial=0))[:-1]  # where each parameter starts in flat
+        self.numel = sum(sizes)                     # Ψ_u, the unit's trainable elements
+        self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N
+        self.shard_size = self.padded // N          # rank r owns elements [r·s, (r+1)·s)
+        self.decays = decays                        # per parameter: does weight decay apply to it?
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
         for p, o in zip(self.params, self.offsets):
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
             p.data = self.flat[o:o + p.numel()].view(p.shape)
-        self.local = None       # this micro-batch's local gradient, full size
-        self.arrived = set()    # which parameters' local gradients have arrived
-        self.grad_shard = None  # reduced gradient shard, summed over micro-batches
-        self.full_grad = None   # stage 0: the reduced gradient, all-gathered
-        self.pending = None     # stage 3: the (future of the) gather that fills flat
+        broadcast(self.flat, comm)  # as DDP does: every rank starts from rank 0's values
+        mine = self.chunk(self.flat, r) if sharded["optimizer"] else self.flat
+        self.shard = mine.clone() if sharded["params"] else None  # stage 3: the 16-bit shard to gather
+        mine = mine if self.shard is None else self.shard
+        self.master = mine if dtype == torch.float32 else mine.float()  # fp32 params (fp32: the params)
+        self.m = torch.zeros_like(self.master)      # AdamW's first moment, cut like master
+        self.v = torch.zeros_like(self.master)      # ...and its second moment
+        self.grad = None if sharded["grads"] else torch.zeros_like(self.flat)  # stages 0-1: full bucket
+        self.local = None                           # stages 2-3: that bucket, alive only until reduced
+        self.reduced = torch.zeros(self.shard_size, dtype=reduce_dtype, device=self.flat.device) \
+            if sharded["grads"] else None           # the reduced gradient shard, summed over micro-batches
+        self.full_grad = None                       # stage 0: the reduced gradient, all-gathered
+        self.arrived = set()                        # parameters whose gradient came in this micro-batch
+        self.flushed = False                        # reduce-scattered in this micro-batch?
+        self.pending = None                         # stage 3: the gather in flight or done, or None
 
     def chunk(self, x, rank):
         return x.view(-1, self.shard_size)[rank]
 
 
 # -----------------------------------------------------------------------------
-# the pieces that need no engine: AdamW on fp32 shards, clipping, the formulas
+# 2. the stages. Each stage is named by what it shards (llm.c asks the same question:
+# is this state sharded at this stage?); the functions below take explicit tensors.
+
+SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}  # the first stage that shards each
+
+
+def sharded(stage):
+    """{"optimizer": bool, "grads": bool, "params": bool}: what a rank keeps 1/N of."""
+    return {what: stage >= first for what, first in SHARDED_FROM.items()}
+
+
+class Hyper(NamedTuple):
+    """One step's AdamW hyperparameters, and what turns the reduced gradient sum into
+    the mean gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
+    lr: float
+    betas: tuple
+    eps: float
+    weight_decay: float
+    unscale: float
+    coef: Optional[torch.Tensor]
 
 
 def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
-    1 - lr·weight_decay, a float or a per-element tensor), bias correction, eps outside
-    the sqrt. Elementwise, with only + - * / sqrt (each rounded once, never fused), so a
-    shard gives the same bits as the whole buffer. p, m and v are updated in place (the
-    same operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...):
-    out-of-place, a step would need ten full-size temporaries."""
+    1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
+    + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
+    whole buffer. p, m and v are updated in place (the same operations in the same order
+    as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
+    full-size temporaries."""
     p.mul_(decay)
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
@@ -128,16 +163,85 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     return p, m, v
 
 
-def decay_factor(unit, lo, hi, lr, weight_decay):
-    """Per-element 1 - lr·wd for elements [lo, hi) of a unit: wd only where unit.decays."""
-    if weight_decay == 0:
-        return 1.0
-    f = torch.ones(hi - lo, dtype=torch.float32, device=unit.flat.device)
-    for o, p, d in zip(unit.offsets, unit.params, unit.decays):
-        a, b = max(o, lo), min(o + p.numel(), hi)
-        if d and a < b:
-            f[a - lo:b - lo] = 1 - lr * weight_decay
-    return f
+def runs(u, lo, hi, hp, t):
+    """The pieces of the unit's parameters inside elements [lo, hi) of its layout, as
+    (a, b, step count, decay factor) relative to lo; neighbours that agree are merged
+    and padding is left out. Every stage cuts its range the same way, so the same
+    elements see the same numbers."""
+    out = []
+    for o, p, d in zip(u.offsets, u.params, u.decays):
+        a, b = max(o, lo) - lo, min(o + p.numel(), hi) - lo
+        if a >= b:
+            continue
+        decay = 1 - hp.lr * hp.weight_decay if d and hp.weight_decay else 1.0
+        if out and out[-1][1] == a and out[-1][2:] == (t, decay):
+            out[-1] = (out[-1][0], b, t, decay)
+        else:
+            out.append((a, b, t, decay))
+    return out
+
+
+def update(master, m, v, grad, pieces, hp):
+    """AdamW on one range of a unit (the whole buffer, or this rank's chunk): grad is
+    the reduced gradient sum there; master, m and v are updated in place."""
+    g = grad.float() * hp.unscale
+    if hp.coef is not None:
+        g = g * hp.coef
+    for a, b, t, decay in pieces:
+        adamw(master[a:b], g[a:b], m[a:b], v[a:b], t, hp.lr, *hp.betas, hp.eps, decay)
+
+
+def reduce_grads(local, reduced, comm):
+    """Every stage, every micro-batch: reduce-scatter the local gradient (each rank sends
+    (N-1)/N·Ψ_u) and add this rank's shard to what earlier micro-batches reduced. The
+    ring fixes the order of the sum, so the shard is the same bits in every stage."""
+    shard = reduce_scatter(local, comm)
+    return shard if reduced is None else reduced + shard
+
+
+def ddp_reduce(local, reduced, comm, last, out=None):
+    """Stage 0: DDP's all-reduce, cut in two around accumulation. Reduce-scatter every
+    micro-batch; after the last, all-gather the summed shard so every rank holds the
+    whole reduced gradient ((N-1)/N·Ψ_u more). -> (reduced shard, whole or None). On
+    torch's collectives one micro-batch is one native all-reduce instead."""
+    if last and reduced is None and comm.native:
+        full = all_reduce(local, comm)
+        return full.view(comm.world_size, -1)[comm.rank], full
+    reduced = reduce_grads(local, reduced, comm)
+    return reduced, (all_gather(reduced, comm, out=out) if last else None)
+
+
+def ddp_update(flat, master, m, v, full_grad, pieces, hp):
+    """Stage 0: every rank holds the whole reduced gradient and the whole optimizer
+    state, and updates the whole buffer. Nothing is sent."""
+    update(master, m, v, full_grad, pieces, hp)
+    if flat is not master:  # 16-bit compute: round the fp32 master into the params
+        flat.copy_(master)
+
+
+def zero_update(master, m, v, reduced, pieces, hp, comm, flat, shard):
+    """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state,
+    then shares it. Stages 1-2 keep whole params: all-gather the updated chunks into
+    flat (each rank sends (N-1)/N·Ψ_u). Stage 3 keeps only the 16-bit shard, which the
+    next forward gathers: nothing is sent here."""
+    update(master, m, v, reduced, pieces, hp)
+    if shard is None:
+        all_gather(master.to(flat.dtype), comm, out=flat)
+    elif shard is not master:
+        shard.copy_(master)
+
+
+def gather_params(shard, flat, comm):
+    """Stage 3, before a unit's forward and again before its backward: all-gather every
+    rank's 16-bit shard into the unit's flat buffer (each rank sends (N-1)/N·Ψ_u)."""
+    return all_gather(shard, comm, out=flat)
+
+
+def release_params(flat):
+    """Stage 3, after a unit's forward and after its backward: give the gathered memory
+    back. flat keeps its shape, so tensors autograd saved see the data again once the
+    storage is resized and regathered."""
+    flat.untyped_storage().resize_(0)
 
 
 def clip_coef(grad_shards, max_norm, comm):
@@ -152,32 +256,29 @@ def clip_coef(grad_shards, max_norm, comm):
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16):
-    """DESIGN.md's table: bytes of model state per rank, for numel (padded) parameters.
-    16-bit compute: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v);
-    fp32: params 4Ψ, grads 4Ψ, optimizer 8Ψ (the params are the master)."""
+    """Bytes of model state per rank, for numel (padded) parameters. 16-bit compute:
+    params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ, grads 4Ψ,
+    optimizer 8Ψ (the params are the master). Each is cut N ways once it is sharded."""
     d = torch.finfo(dtype).bits // 8
-    opt = 8 + (4 if d != 4 else 0)
-    n = world_size
-    return {"params": d * numel // (n if stage >= 3 else 1),
-            "grads": d * numel // (n if stage >= 2 else 1),
-            "optimizer": opt * numel // (n if stage >= 1 else 1)}
+    per = {"params": d, "grads": d, "optimizer": 8 + (4 if d != 4 else 0)}
+    return {k: per[k] * numel // (world_size if cut else 1) for k, cut in sharded(stage).items()}
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1):
     """Payload bytes one rank sends in one step: each ring collective over Ψ elements
-    sends (N-1)/N·Ψ. Gradients are reduce-scattered once per micro-batch; stage 3 also
-    gathers the params twice per micro-batch (forward and backward), stages 0-2 gather
-    once per step (grads at stage 0, params at 1-2)."""
+    sends (N-1)/N·Ψ. Gradients are reduce-scattered once per micro-batch; sharded params
+    are gathered twice per micro-batch (forward and backward), whole ones once per step
+    (the grads at stage 0, the updated params at 1-2)."""
     per = (world_size - 1) * (numel // world_size) * (torch.finfo(dtype).bits // 8)
     if world_size == 1:
         return {}
     return {"reduce_scatter": per * grad_accum,
-            "all_gather": per * (2 * grad_accum if stage == 3 else 1)}
+            "all_gather": per * (2 * grad_accum if sharded(stage)["params"] else 1)}
 
 
 # -----------------------------------------------------------------------------
-# the engine: the one stateful object, because autograd's hooks need somewhere to
-# keep what they see. It drives the pieces above.
+# 3. the engine: the one stateful object, because autograd's hooks need somewhere to
+# keep what they see. It decides when each function above runs, never how.
 
 
 class Engine:
@@ -187,89 +288,82 @@ class Engine:
 
     def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
-                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, overlap=True, fast=None):
+                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, overlap=True, native=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
         if grad_accum < 1:
             raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
-        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-        if not trainable:
+        if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
-        devices = {str(p.device) for p in model.parameters()} | {str(b.device) for b in model.buffers()}
+        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
         if len(devices) > 1:
             raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                              f"move the model to one device (model.to(device)) first")
-        self.model, self.comm, self.stage, self.dtype = model, comm, stage, dtype
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
-        self.grad_accum, self.clip = grad_accum, clip
-        self.reduce_dtype = reduce_dtype or dtype
-        self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scaling
-        self.scale_window, self.clean_steps = scale_window, 0
-        self.t, self.micro = 0, 0  # optimizer steps taken; backward() calls since the last step
-        if fast is not None:
-            comm.fast = fast  # torch's own collectives instead of the ring (ops.py)
-        self.overlap, self.jobs, self.fwd_order, self.bwd_order = overlap, [], [], []
+        if native is not None:
+            comm.native = native  # torch's own collectives instead of the ring (ops.py)
+        self.model = model                      # the user's module; its parameters live in the units
+        self.comm = comm                        # send/recv and the byte ledger (ops.py)
+        self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
+        self.sharded = sharded(stage)           # what this stage keeps 1/N of
+        self.dtype = dtype                      # compute dtype of params, grads and float inputs
+        self.reduce_dtype = reduce_dtype or dtype  # dtype the gradients are summed in
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # AdamW; lr may change
+        self.grad_accum = grad_accum            # backward() calls per step()
+        self.clip = clip                        # max gradient norm, or None
+        self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scale
+        self.scale_window = scale_window        # fp16: clean steps before the scale doubles
+        self.clean_steps = 0                    # fp16: steps since the last overflow
+        self.t = 0                              # optimizer steps taken
+        self.micro = 0                          # backward() calls since the last step()
+        self.jobs = []                          # this micro-batch's reductions in flight
+        self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
+        # one communication thread per rank runs collectives in the order they are asked
+        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
 
         modules = default_units(model) if units is None else list(units)
         groups, cross = group_params(model, modules)
-        if cross and stage == 3:
+        if cross and self.sharded["params"]:
             a, b = cross[0]
             raise ValueError(f"{a} and {b} are one parameter tied across two units; stage 3 "
                              f"gathers one unit at a time, so put both modules in one unit "
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
-        N, r = comm.world_size, comm.rank
-        self.units = [Unit(m, g, N, dtype) for m, g in zip(modules, groups) if g]
-        self.device = self.units[0].flat.device
-        # as DDP does: every rank starts from rank 0's values (each rank sends ≤ Ψ once)
-        for u in self.units:
-            broadcast(u.flat, comm)
+        self.units = [Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
+                           [decay is None or bool(decay(n, p)) for n, p in g])
+                      for m, g in zip(modules, groups) if g]
+        self.device = self.units[0].flat.device  # where the model lives
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            broadcast(t.data, comm)
+            broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
-        # the model's hooks hold the engine weakly: when you drop the engine, it (and its
-        # communication thread) goes, instead of living on in a cycle through the params
-        me = weakref.proxy(self)
+        # the hooks hold the engine weakly: drop the engine and it (and its thread) goes,
+        # instead of living on in a cycle through the parameters
+        ref = weakref.ref(self)
         for u in self.units:
-            u.decays = [decay is None or bool(decay(n, p)) for n, p in zip(u.names, u.params)]
-            mine = u.flat if stage == 0 else u.chunk(u.flat, r)
-            if stage == 3:
-                u.shard = mine.clone()  # the persistent 16-bit shard that gets gathered
-                mine = u.shard
-            # fp32 compute needs no master copy: the params (or their shard) are the master
-            u.master = mine if dtype == torch.float32 else mine.float()
-            u.m, u.v = torch.zeros_like(u.master), torch.zeros_like(u.master)
-            if stage <= 1:  # the full gradient bucket that backward writes into
-                u.grad = torch.zeros(u.padded, dtype=dtype, device=self.device)
-            else:           # stages 2-3 keep only the reduced gradient shard
-                u.grad = None
-                u.grad_shard = torch.zeros(u.shard_size, dtype=self.reduce_dtype, device=self.device)
             for i, p in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(lambda p, u=u, i=i: me._on_grad(u, i, p))
-            if stage == 3:
+                p.register_post_accumulate_grad_hook(_grad_hook(ref, u, i))
+            if self.sharded["params"]:
                 self._release(u)
-                u.module.register_forward_pre_hook(lambda mod, args, u=u: me._gather(u, me.fwd_order))
-                u.module.register_forward_hook(lambda mod, args, out, u=u: me._after_forward(u, out))
-        model.register_forward_pre_hook(lambda mod, args: me._cast_inputs(args))
-        if stage == 3:  # an eval forward (no backward follows): leave nothing gathered or in flight
-            model.register_forward_hook(lambda *_: None if torch.is_grad_enabled() else me._release_all())
+                u.module.register_forward_pre_hook(_gather_hook(ref, u))
+                u.module.register_forward_hook(_after_forward_hook(ref, u))
+        model.register_forward_pre_hook(_cast_hook(ref))
+        if self.sharded["params"]:
+            model.register_forward_hook(_eval_done_hook(ref))
 
     # ---- communication runs on its own thread, in the order it is asked for
 
     def _submit(self, job):
         """Run job() on this rank's communication thread (overlap=True) while autograd
-        computes; return its future. Every rank submits the same collectives in the same
-        order and one thread runs them in that order, so they pair up across ranks."""
+        computes. Every rank submits the same collectives in the same order, and one
+        thread runs them in that order, so they pair up across ranks."""
         if self.pool is None:
-            done = Future()
-            done.set_result(job())
-            return done
+            out = job()
+            return Pending(lambda: out)
         if self.side is None:
-            return self.pool.submit(job)
+            return Pending(self.pool.submit(job).result)
         ready = torch.cuda.Event()
         ready.record()  # GPU: the side stream waits for the compute that made the inputs
 
@@ -279,12 +373,12 @@ class Engine:
                 out = job()
                 self.side.synchronize()
                 return out
-        return self.pool.submit(on_side_stream)
+        return Pending(self.pool.submit(on_side_stream).result)
 
     def _drain(self):
         """Wait until the communication thread is idle: after this, collectives may run inline."""
-        for f in self.jobs:
-            f.result()  # re-raises a failed collective here
+        for job in self.jobs:
+            job.wait()  # re-raises a failed collective here
         self.jobs = []
         if self.pool is not None:
             self.pool.submit(lambda: None).result()
@@ -294,32 +388,32 @@ class Engine:
     def _gather(self, u, order):
         """Wait for unit u's params (fetching them now if no prefetch did), then start
         fetching the unit that came after u last time in this pass (order)."""
-        self._fetch(u).result()
+        self._fetch(u).wait()
         if u not in order:
             order.append(u)  # the first pass records the order the next passes prefetch in
         i = order.index(u) + 1
-        if self.overlap and i < len(order):
+        if self.pool is not None and i < len(order):
             self._fetch(order[i])
 
     def _fetch(self, u):
-        """All-gather the unit's 16-bit shards into its flat buffer: sends (N-1)/N·Ψ_u."""
+        """Start the unit's all-gather (unless one is in flight), into memory allocated
+        here, on the compute stream, so that reusing it is ordered after its last reader."""
         if u.pending is None:
-            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())  # allocate here,
-            u.pending = self._submit(lambda: all_gather(u.shard, self.comm, out=u.flat))  # fill there
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
         return u.pending
 
     def _release(self, u):
-        """Give the full parameters' memory back; the views stay, to be refilled later."""
         if u.pending is not None:
-            u.pending.result()
-        u.flat.untyped_storage().resize_(0)
+            u.pending.wait()
+        release_params(u.flat)
         u.pending = None
 
     def _after_forward(self, u, out):
         if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
             for t in _tensors(out):
                 if t.requires_grad:
-                    t.register_hook(lambda grad, u=u, me=weakref.proxy(self): me._gather(u, me.bwd_order))
+                    t.register_hook(_regather_hook(weakref.ref(self), u))
         self._release(u)
 
     def _release_all(self):
@@ -334,9 +428,9 @@ class Engine:
     # ---- backward: collect local gradients, reduce-scatter each unit once it is complete
 
     def _bucket(self, u):
-        """The unit's full local-gradient buffer: stages 0-1 keep one (u.grad); at stages
-        2-3 it lives only from the unit's first gradient to its reduce-scatter."""
-        if self.stage <= 1:
+        """The unit's full local-gradient buffer: kept at stages 0-1 (u.grad); at stages
+        2-3 alive only from the unit's first gradient to its reduce-scatter."""
+        if u.grad is not None:
             return u.grad
         if u.local is None:
             u.local = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
@@ -352,29 +446,24 @@ class Engine:
             self._reduce(u)
 
     def _reduce(self, u):
-        """Reduce-scatter the unit's gradient: each rank sends (N-1)/N·Ψ_u and keeps its
-        shard, summed over micro-batches in order (the same in every stage)."""
+        """Reduce the unit's gradient on the communication thread; what each rank keeps
+        of it, and when the rest goes, is the stage's (reduce_grads, ddp_reduce)."""
         bucket = self._bucket(u)
         for i in set(range(len(u.params))) - u.arrived:  # a parameter that got no gradient
             o = u.offsets[i]
             bucket[o:o + u.params[i].numel()].zero_()
-        local, first = bucket.to(self.reduce_dtype), self.micro == 0
-        # DDP can all-gather the reduced gradient now, while backward goes on (fp16 waits
-        # for step()'s overflow check, so that a skipped step sends nothing more)
-        gather = self.stage == 0 and self.micro == self.grad_accum - 1 and self.dtype != torch.float16
+        local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
+        reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
 
         def job():
-            if gather and first and self.comm.fast:  # fast path, one micro-batch: DDP's all-reduce
-                u.full_grad = all_reduce(local, self.comm)
-                u.grad_shard = u.chunk(u.full_grad, self.comm.rank)
-                return
-            shard = reduce_scatter(local, self.comm)
-            u.grad_shard = shard if first else u.grad_shard + shard
-            if gather:
-                u.full_grad = self._gather_grad(u)
+            if self.sharded["optimizer"]:
+                u.reduced = reduce_grads(local, reduced, self.comm)
+            else:  # the whole optimizer on every rank needs the whole gradient
+                out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
+                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
         self.jobs.append(self._submit(job))
-        u.arrived, u.reduced, u.local = set(), True, None  # stage 2: the full gradient is gone
-        if self.stage == 3:
+        u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
+        if self.sharded["params"]:
             self._release(u)
 
     def backward(self, loss):
@@ -384,17 +473,17 @@ class Engine:
             raise RuntimeError(f"backward() called {self.micro + 1} times since the last step() "
                                f"with grad_accum={self.grad_accum}; call engine.step()")
         for u in self.units:
-            u.reduced = False
+            u.flushed = False
         (loss.float() * (self.scale / self.grad_accum)).backward()
         for u in self.units:  # units whose parameters were not all used: reduce them now
-            if not u.reduced:
+            if not u.flushed:
                 self._reduce(u)
         self._drain()
-        if self.stage == 3:
+        if self.sharded["params"]:
             self._release_all()
         self.micro += 1
 
-    # ---- the step: each stage updates what it keeps, then shares what the others need
+    # ---- the step: each rank updates what it keeps (ddp_update or zero_update)
 
     def step(self):
         """Update after grad_accum backward() calls; False if fp16 overflow skipped it."""
@@ -403,51 +492,41 @@ class Engine:
                                f"{self.grad_accum} expects exactly that many before each step")
         self.micro = 0
         self._drain()
-        N, r, stage = self.comm.world_size, self.comm.rank, self.stage
-        unscale = 1.0 / (N * self.scale)  # mean over ranks, undoing the fp16 loss scale
+        unscale = 1.0 / (self.comm.world_size * self.scale)  # mean over ranks, undo the loss scale
         if self.dtype == torch.float16 and self._overflow():
             self.scale, self.clean_steps = self.scale / 2, 0
-            for u in self.units if stage <= 1 else []:
-                u.grad_shard = None
+            self._drop_grads()
             return False
         coef = None
         if self.clip is not None:
-            coef = clip_coef([u.grad_shard.float() * unscale for u in self.units], self.clip, self.comm)
+            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
         self.t += 1
-        b1, b2 = self.betas
+        hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
+        r = self.comm.rank
         for u in self.units:
-            if stage == 0:  # DDP: the all-gathered reduced grads (usually done in backward)
-                g = u.full_grad if u.full_grad is not None else self._gather_grad(u)
-                u.full_grad, lo, hi = None, 0, u.padded
-            else:           # ZeRO: update my shard only
-                g = u.grad_shard
-                lo, hi = r * u.shard_size, (r + 1) * u.shard_size
-            g = g.float() * unscale
-            if coef is not None:
-                g = g * coef
-            decay = decay_factor(u, lo, hi, self.lr, self.weight_decay)
-            adamw(u.master, g, u.m, u.v, self.t, self.lr, b1, b2, self.eps, decay)
-            if stage == 0 and u.flat is not u.master:  # (fp32: the master is flat itself)
-                u.flat.copy_(u.master)
-            elif 1 <= stage <= 2:  # all-gather the updated params: each rank sends (N-1)/N·Ψ_u
-                all_gather(u.master.to(self.dtype), self.comm, out=u.flat)
-            elif stage == 3 and u.shard is not u.master:  # keep the shard for the next forward
-                u.shard.copy_(u.master)
-            if stage <= 1:
-                u.grad_shard = None  # stages 0-1 keep gradients in the full bucket
+            if self.sharded["optimizer"]:
+                lo = r * u.shard_size
+                zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp, self.t), hp,
+                            self.comm, u.flat, u.shard)
+            else:
+                ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp, self.t), hp)
+        self._drop_grads()
         if self.dtype == torch.float16:
             self.clean_steps += 1
             if self.clean_steps % self.scale_window == 0:
                 self.scale *= 2
         return True
 
-    def _gather_grad(self, u):
-        """Stage 0: all-gather the reduced gradient, (N-1)/N·Ψ_u, into the full bucket."""
-        return all_gather(u.grad_shard, self.comm, out=u.grad if u.grad.dtype == u.grad_shard.dtype else None)
+    def _drop_grads(self):
+        """After a step: only a sharded gradient is kept between steps (what memory() counts)."""
+        for u in self.units:
+            u.full_grad = None
+            if not self.sharded["grads"]:
+                u.reduced = None
 
     def _overflow(self):
         """fp16: did any rank's gradient shard overflow? Then every rank skips the step."""
-        bad = any(not torch.isfinite(u.grad_shard).all() for u in self.units)
+        bad = any(not torch.isfinite(u.reduced).all() for u in self.units)
         flags = all_gather(torch.tensor([float(bad)], device=self.device), self.comm, kind="overflow")
         return bool(flags.any())
 
@@ -459,7 +538,7 @@ class Engine:
         values = {}
         self._drain()
         for u in self.units:
-            full = u.master if self.stage == 0 else all_gather(u.master, self.comm, kind="state_dict")
+            full = all_gather(u.master, self.comm, kind="state_dict") if self.sharded["optimizer"] else u.master
             for p, o in zip(u.params, u.offsets):
                 values[id(p)] = full[o:o + p.numel()].view(p.shape)
         out = {}
@@ -468,101 +547,21 @@ class Engine:
             out[name] = (v.float() if v.is_floating_point() else v).clone()
         return out
 
+    def frozen(self):
+        """{name: tensor} of the model's state that is not a trainable parameter."""
+        trainable = {id(p) for u in self.units for p in u.params}
+        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+
     def memory(self):
         """Bytes of the tensors this rank keeps between steps, by category."""
         def nbytes(*ts):
             return sum(t.numel() * t.element_size() for t in ts if t is not None)
         params = grads = opt = 0
         for u in self.units:
-            params += nbytes(u.shard if self.stage == 3 else u.flat)
-            grads += nbytes(u.grad if self.stage <= 1 else u.grad_shard)
+            params += nbytes(u.shard if self.sharded["params"] else u.flat)
+            grads += nbytes(u.reduced if self.sharded["grads"] else u.grad)
             opt += nbytes(u.m, u.v) + (nbytes(u.master) if self.dtype != torch.float32 else 0)
         return {"params": params, "grads": grads, "optimizer": opt}
-
-    # ---- checkpoints: one shard file per rank, and a manifest written last
-
-    def save_checkpoint(self, path, meta=None):
-        """Collective. Each rank writes its shard (fp32 master, m, v of its chunk); once
-        every rank reports its shard safely on disk, rank 0 writes the manifest, which
-        alone makes the checkpoint complete. A crash anywhere before that leaves the
-        previous manifest, and the shards it names, untouched. `meta` (JSON: the training
-        step, say) rides in the manifest and comes back from load_checkpoint()."""
-        if self.micro:
-            raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
-        comm, r = self.comm, self.comm.rank
-        self._drain()
-        os.makedirs(path, exist_ok=True)
-        nonce = broadcast(torch.randint(0, 2**31, (1,), device=self.device), comm, kind="checkpoint")
-        tag = f"{self.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
-        shard = {"units": [{k: (u.chunk(getattr(u, k), r) if self.stage == 0 else getattr(u, k)).cpu()
-                            for k in ("master", "m", "v")} for u in self.units]}
-        if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
-            shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
-                              for n, t in self._frozen().items()}
-        try:
-            digest, error = _write_atomic(os.path.join(path, f"shard-{tag}-{r}.pt"), shard), ""
-        except OSError as e:
-            digest, error = bytes(32), str(e)
-        report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=self.device)
-        reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
-        failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
-        if failed:
-            raise RuntimeError(f"checkpoint not saved: rank(s) {failed} could not write their shard "
-                               f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
-        if r == 0:
-            manifest = self._manifest(tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
-            manifest["meta"] = meta
-            _write_atomic(os.path.join(path, "manifest.json"), json.dumps(manifest, indent=1).encode())
-            keep = {s["file"] for s in manifest["shards"]} | {"manifest.json"}
-            for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
-                if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
-                    os.remove(os.path.join(path, f))
-        all_gather(torch.zeros(1, device=self.device), comm, kind="checkpoint")  # done, everywhere
-
-    def _frozen(self):
-        """{name: tensor} of the model's state that is not a trainable parameter."""
-        trainable = {id(p) for u in self.units for p in u.params}
-        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
-
-    def _manifest(self, tag, digests):
-        aliases, state = {}, self.model.state_dict(keep_vars=True)
-        for name, t in state.items():
-            aliases.setdefault(id(t), []).append(name)
-        return {"format": "minizero-1", "tag": tag, "step": self.t, "scale": self.scale,
-                "clean_steps": self.clean_steps, "world_size": self.comm.world_size, "stage": self.stage,
-                "dtype": str(self.dtype), "state_dict": list(state),
-                "hparams": {"lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                            "weight_decay": self.weight_decay, "grad_accum": self.grad_accum, "clip": self.clip},
-                "units": [{"numel": u.numel, "padded": u.padded,
-                           "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o}
-                                      for n, p, o in zip(u.names, u.params, u.offsets)]} for u in self.units],
-                "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
-
-    def load_checkpoint(self, path):
-        """Load a complete checkpoint saved at any world size and stage: the logical
-        (unpadded) vectors are re-cut for this layout. Everything is read and checked
-        before anything is changed, so a bad checkpoint leaves the engine as it was.
-        Returns the `meta` given to save_checkpoint()."""
-        manifest, params, extra = read_checkpoint(path)
-        mine = {n: p for u in self.units for n, p in zip(u.names, u.params)}
-        _check_same(path, {n: list(p.shape) for n, p in mine.items()},
-                    {n: v["shape"] for n, v in params.items()}, "trainable parameter")
-        frozen = self._frozen()
-        _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
-                    {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
-        r = self.comm.rank
-        for u in self.units:
-            full = {k: _assemble(u, params, k) for k in ("master", "m", "v")}
-            if self.stage <= 2:
-                u.flat.copy_(full["master"])  # the live parameters, all of them
-            else:
-                u.shard.copy_(u.chunk(full["master"], r))
-            for k in ("master", "m", "v"):
-                getattr(u, k).copy_(full[k] if self.stage == 0 else u.chunk(full[k], r))
-        for n, t in frozen.items():
-            t.data.copy_(extra[n])
-        self.t, self.scale, self.clean_steps = manifest["step"], manifest["scale"], manifest["clean_steps"]
-        return manifest.get("meta")
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""
@@ -571,83 +570,56 @@ class Engine:
     def formula(self):
         return model_state_bytes(self.numel(), self.comm.world_size, self.stage, self.dtype)
 
+    def save_checkpoint(self, path, meta=None):
+        """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
+        self._drain()
+        checkpoint.save(self, path, meta)
 
-# -----------------------------------------------------------------------------
-# checkpoint files: read without a process group (consolidation uses this too)
-
-
-def _write_atomic(path, obj):
-    """Write to a temporary name, fsync, then rename: the file is whole or absent."""
-    data = obj if isinstance(obj, bytes) else _serialize(obj)
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-    return hashlib.sha256(data).digest()
+    def load_checkpoint(self, path):
+        """Collective: load a checkpoint saved at any world size and stage; returns its meta."""
+        return checkpoint.load(self, path)
 
 
-def _serialize(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+# the hooks autograd and the model call: each holds the engine weakly and finds it here
 
 
-def read_checkpoint(path):
-    """-> (manifest, {name: {"master", "m", "v": fp32 tensor, "shape"}}, {name: tensor} of
-    frozen parameters and buffers). Every shard is checked against the manifest's sha256."""
-    mpath = os.path.join(path, "manifest.json")
-    if not os.path.exists(mpath):
-        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing "
-                                f"(a save that never finished leaves no manifest)")
-    with open(mpath) as f:
-        manifest = json.load(f)
-    shards = []
-    for s in manifest["shards"]:
-        fpath = os.path.join(path, s["file"])
-        if not os.path.exists(fpath):
-            raise FileNotFoundError(f"checkpoint {path} is missing its shard {fpath}")
-        with open(fpath, "rb") as f:
-            data = f.read()
-        if hashlib.sha256(data).hexdigest() != s["sha256"]:
-            raise ValueError(f"checkpoint shard {fpath} is truncated or corrupted "
-                             f"({len(data)} bytes, sha256 differs from the manifest's)")
-        shards.append(torch.load(io.BytesIO(data), weights_only=True))
-    params = {}
-    for i, unit in enumerate(manifest["units"]):
-        full = {k: torch.cat([s["units"][i][k] for s in shards]) for k in ("master", "m", "v")}
-        for p in unit["params"]:
-            n = math.prod(p["shape"])
-            params[p["name"]] = {k: full[k][p["offset"]:p["offset"] + n].view(p["shape"]) for k in full}
-            params[p["name"]]["shape"] = p["shape"]
-    return manifest, params, shards[0]["extra"]
+def _engine(ref):
+    engine = ref()
+    if engine is None:
+        raise RuntimeError("this model's minizero Engine is gone; keep a reference to the engine "
+                           "for as long as you use the model")
+    return engine
 
 
-def consolidate(path):
-    """A checkpoint as one plain fp32 state_dict: every name of model.state_dict(),
-    both names of a tied weight, frozen parameters and buffers."""
-    manifest, params, extra = read_checkpoint(path)
-    values = dict(extra)
-    for unit in manifest["units"]:
-        for p in unit["params"]:
-            for alias in p["aliases"]:
-                values[alias] = params[p["name"]]["master"].clone()
-    return {n: values[n] for n in manifest["state_dict"]}
+def _grad_hook(ref, u, i):
+    return lambda p: _engine(ref)._on_grad(u, i, p)
 
 
-def _assemble(u, params, key):
-    """One unit's padded fp32 vector of `key`, in this layout, from per-name values."""
-    x = torch.zeros(u.padded, dtype=torch.float32, device=u.flat.device)
-    for n, p, o in zip(u.names, u.params, u.offsets):
-        x[o:o + p.numel()] = params[n][key].reshape(-1).to(x.device)
-    return x
+def _gather_hook(ref, u):
+    def hook(module, args):
+        engine = _engine(ref)
+        engine._gather(u, engine.fwd_order)
+    return hook
 
 
-def _check_same(path, ours, theirs, what):
-    for n in sorted(ours.keys() | theirs.keys()):
-        if ours.get(n) != theirs.get(n):
-            raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
-                             f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
+def _after_forward_hook(ref, u):
+    return lambda module, args, out: _engine(ref)._after_forward(u, out)
+
+
+def _regather_hook(ref, u):
+    def hook(grad):
+        engine = _engine(ref)
+        engine._gather(u, engine.bwd_order)
+    return hook
+
+
+def _cast_hook(ref):
+    return lambda module, args: _engine(ref)._cast_inputs(args)
+
+
+def _eval_done_hook(ref):
+    """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
+    return lambda *_: None if torch.is_grad_enabled() else _engine(ref)._release_all()
 
 
 def _tensors(x):

@@ -9,7 +9,7 @@ collectives written on top of it, and two ways to start a world of ranks.
 Every ring collective makes each rank send (N-1)/N of the buffer. The ring fixes the
 order in which chunk c is summed: it starts at rank c+1 and travels c+2, ..., c (mod N),
 each hop rounded to the buffer's dtype. That order is what makes every ZeRO stage
-bit-identical to DDP, so the ring is the default; `comm.fast = True` swaps in torch's
+bit-identical to DDP, so the ring is the default; `comm.native = True` swaps in torch's
 own collectives (NCCL on GPU), which sum in an order of their own.
 
 Two transports run the same ring code:
@@ -48,6 +48,14 @@ def _expect(rank, kind, t, src, got):
                          f"sent {got}; every rank must call the same collectives in the same order")
 
 
+class Pending:
+    """An operation in flight (a send, a receive, a job on the engine's communication
+    thread); wait() finishes it and returns its result. The one handle type of minizero."""
+
+    def __init__(self, wait):
+        self.wait = wait
+
+
 # -----------------------------------------------------------------------------
 # transport 1: threads in one process. Messages travel through one queue per
 # (src, dst) pair; a header rides along so mismatched collectives are caught.
@@ -56,13 +64,13 @@ class ThreadComm:
     def __init__(self, rank, world):
         self.rank, self.world_size, self.world = rank, world.world_size, world
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
-        self.fast = False
+        self.native = False  # torch's own collectives instead of the ring
         self.device = torch.device("cpu")
 
     def isend(self, t, dst, kind="p2p"):  # queues never block: the send is done at once
         self.sent[kind] += t.numel() * t.element_size()
         self.world.queues[self.rank, dst].put((kind, t.detach().clone()))
-        return _Later(lambda: None)
+        return Pending(lambda: None)
 
     def send(self, t, dst, kind="p2p"):
         self.isend(t, dst, kind)
@@ -83,10 +91,10 @@ class ThreadComm:
         t.copy_(payload)
 
     def irecv(self, t, src, kind="p2p"):
-        return _Later(lambda: self.recv(t, src, kind))
+        return Pending(lambda: self.recv(t, src, kind))
 
-    def native(self, op, x, out, kind):
-        """The thread world's "fast path": every rank reads the others' x straight from
+    def run_native(self, op, x, out, kind):
+        """The thread world's native collective: every rank reads the others' x straight from
         shared memory, as a native collective would, and sums in rank order."""
         w = self.world
         w.slots[self.rank] = (kind, x.detach())
@@ -104,13 +112,6 @@ class ThreadComm:
             self.world.barrier.wait(timeout=self.world.timeout)
         except threading.BrokenBarrierError:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
-
-
-class _Later:
-    """A pending operation; wait() finishes it."""
-
-    def __init__(self, fn):
-        self.wait = fn
 
 
 class ThreadWorld:
@@ -152,9 +153,9 @@ def run_threads(fn, world_size, *args, timeout=60.0):
 # message is preceded by a 64-byte header naming its kind, size and dtype.
 
 class ProcessComm:
-    def __init__(self, timeout=120.0, check=True, fast=False):
+    def __init__(self, timeout=120.0, check=True, native=False):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.timeout, self.check, self.fast = timedelta(seconds=timeout), check, fast
+        self.timeout, self.check, self.native = timedelta(seconds=timeout), check, native
         self.sent = Counter()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -177,7 +178,7 @@ class ProcessComm:
         self.sent[kind] += t.numel() * t.element_size()
         works = [dist.isend(self._header(kind, t), dst)] if self.check else []
         works.append(dist.isend(t.contiguous(), dst))
-        return _Later(lambda: [self._wait(w, f"send to rank {dst}") for w in works])
+        return Pending(lambda: [self._wait(w, f"send to rank {dst}") for w in works])
 
     def send(self, t, dst, kind="p2p"):
         self.isend(t, dst, kind).wait()
@@ -190,9 +191,9 @@ class ProcessComm:
         self._wait(dist.irecv(t, src), f"recv from rank {src}")
 
     def irecv(self, t, src, kind="p2p"):
-        return _Later(lambda: self.recv(t, src, kind))
+        return Pending(lambda: self.recv(t, src, kind))
 
-    def native(self, op, x, out, kind):
+    def run_native(self, op, x, out, kind):
         """torch's own collective (NCCL on GPU) of x into out; with check=True, a small
         all-gather of headers first catches ranks in mismatched collectives."""
         if self.check:
@@ -213,14 +214,14 @@ _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_
            "all_gather": getattr(dist, "all_gather_single", dist.all_gather_into_tensor)}
 
 
-def init_from_env(timeout=300.0, check=False, fast=True):
+def init_from_env(timeout=300.0, check=False, native=True):
     """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
     else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    return ProcessComm(timeout, check, fast)
+    return ProcessComm(timeout, check, native)
 
 
 def _process_main(rank, world_size, backend, store_path, timeout, check, fn, args, results):
@@ -297,9 +298,9 @@ def reduce_scatter(x, comm, kind="reduce_scatter"):
     chunks = _chunks(x, n)
     if n == 1:
         return chunks[0].clone()
-    if comm.fast:  # booked as the ring would send
+    if comm.native:  # booked as the ring would send
         comm.sent[kind] += (n - 1) * chunks[0].numel() * x.element_size()
-        return comm.native("reduce_scatter", x, torch.empty_like(chunks[0]), kind)
+        return comm.run_native("reduce_scatter", x, torch.empty_like(chunks[0]), kind)
     right, left = (r + 1) % n, (r - 1) % n
     acc = chunks[(r - 1) % n].clone()   # step 0: my own piece of chunk r-1 starts its journey
     incoming = torch.empty_like(acc)
@@ -319,9 +320,9 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     chunks = _chunks(out, n)
     if n == 1:
         return out.copy_(shard)
-    if comm.fast:
+    if comm.native:
         comm.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
-        return comm.native("all_gather", shard, out, kind)
+        return comm.run_native("all_gather", shard, out, kind)
     chunks[r].copy_(shard)
     right, left = (r + 1) % n, (r - 1) % n
     for k in range(n - 1):              # hop k: pass on chunk r-k, receive chunk r-1-k
@@ -333,14 +334,14 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
 
 def all_reduce(x, comm):
     """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
-    ring's order. Each rank sends 2(N-1)/N of x. The fast path is one native all-reduce,
+    ring's order. Each rank sends 2(N-1)/N of x. The native path is one all-reduce,
     booked as the ring's two halves (gloo's reduce-scatter is itself an all-reduce)."""
     n = comm.world_size
-    if comm.fast and n > 1:
+    if comm.native and n > 1:
         half = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
         comm.sent["reduce_scatter"] += half
         comm.sent["all_gather"] += half
-        return comm.native("all_reduce", x, torch.empty_like(x), "all_reduce")
+        return comm.run_native("all_reduce", x, torch.empty_like(x), "all_reduce")
     return all_gather(reduce_scatter(x, comm), comm)
 
 

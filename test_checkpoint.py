@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import checkpoint
 import minizero
 import ops
 from test_equivalence import DTYPES, FIXED, Net, assert_same, make
@@ -179,15 +180,15 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch, dies_at)
     """The second save dies (a rank's shard write, or rank 0's manifest write): the
     first checkpoint is still complete, loads, and holds the state after step 1."""
     path, c, model, batches, states = saved
-    real = minizero._write_atomic
+    real = checkpoint.write_atomic
     def dying(p, obj):
         if (dies_at == "manifest" and p.endswith("manifest.json")) or (dies_at == "shard" and p.endswith("-1.pt")):
             with open(p + ".tmp", "wb") as f:  # half a file, then the crash
                 f.write(b"partial")
             raise OSError("disk full (simulated)")
         return real(p, obj)
-    monkeypatch.setattr(minizero, "_write_atomic", dying)
+    monkeypatch.setattr(checkpoint, "write_atomic", dying)
     with pytest.raises(RuntimeError, match="disk full|could not write their shard"):
         ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
-    monkeypatch.setattr(minizero, "_write_atomic", real)
+    monkeypatch.setattr(checkpoint, "write_atomic", real)
     assert_same(load_into(model, c, path), states[0][0])

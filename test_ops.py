@@ -1,10 +1,10 @@
 """
 Tests of ops.py: the ring collectives, their documented reduction order (DESIGN.md,
-invariant 2), the byte ledger, the fast path, both transports, and failure handling.
+invariant 2), the byte ledger, the native path, both transports, and failure handling.
 
 The reference for the ring is computed here, directly from the contract: chunk c of the
 sum is x_{c+1}[c] + x_{c+2}[c] + ... + x_c[c] (rank indices mod N), each add rounded to
-the dtype. The ring must match it bit for bit; the fast path only to float tolerance.
+the dtype. The ring must match it bit for bit; the native path only to float tolerance.
 
 Process worlds are expensive (~2-3 s each), so there are three: one runs every fixed case
 and ends with a planted mismatch, one has a rank raise, one has a rank die hard.
@@ -183,34 +183,34 @@ def test_broadcast_copies_rank0(n):
 
 
 # -----------------------------------------------------------------------------
-# 3. the fast path on threads: same results to tolerance, same ledger
+# 3. the native path on threads: same results to tolerance, same ledger
 
-def _ring_and_fast(comm, chunk, dtype, seed, with_all_reduce=False):
-    """reduce_scatter, all_gather (and all_reduce) on the ring and on the fast path:
-    {fast: (results..., ledger deltas...)}."""
+def _ring_and_native(comm, chunk, dtype, seed, with_all_reduce=False):
+    """reduce_scatter, all_gather (and all_reduce) on the ring and on the native path:
+    {native: (results..., ledger deltas...)}."""
     n, r = comm.world_size, comm.rank
     x, shard = make_input(r, n * chunk, dtype, seed), make_input(r + 100, chunk, dtype, seed)
     calls = [lambda: ops.reduce_scatter(x, comm), lambda: ops.all_gather(shard, comm)]
     calls += [lambda: ops.all_reduce(x, comm)] if with_all_reduce else []
     out = {}
-    for fast in (False, True):
-        comm.fast = fast
+    for native in (False, True):
+        comm.native = native
         results, deltas = [], []
         for call in calls:
             before = sent(comm)
             results.append(call())
             deltas.append(ledger_delta(before, sent(comm)))
-        out[fast] = (*results, *deltas)
+        out[native] = (*results, *deltas)
     return out
 
 
 @settings(deadline=None)
 @given(n=st.integers(1, 6), chunk=st.integers(1, 50), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**20))
-def test_fast_path_matches_ring_on_threads(n, chunk, dtype, seed):
+def test_native_path_matches_ring_on_threads(n, chunk, dtype, seed):
     xs = [make_input(r, n * chunk, dtype, seed) for r in range(n)]
     shards = [make_input(r + 100, chunk, dtype, seed) for r in range(n)]
-    for r, out in enumerate(ops.run_threads(_ring_and_fast, n, chunk, dtype, seed)):
+    for r, out in enumerate(ops.run_threads(_ring_and_native, n, chunk, dtype, seed)):
         (rs, ag, l_rs, l_ag), (frs, fag, fl_rs, fl_ag) = out[False], out[True]
         assert frs.dtype == dtype and frs.shape == rs.shape
         assert_sum_close(frs, xs, r, dtype)
@@ -234,10 +234,10 @@ def _expect_failure(run, *match, within=20.0):
     return info.value
 
 
-@pytest.mark.parametrize("fast", [False, True])
-def test_planted_exception_on_threads(fast):
+@pytest.mark.parametrize("native", [False, True])
+def test_planted_exception_on_threads(native):
     def fn(comm):
-        comm.fast = fast
+        comm.native = native
         ops.all_reduce(torch.ones(8), comm)
         if comm.rank == 2:
             raise KeyError("planted on rank 2")
@@ -247,11 +247,11 @@ def test_planted_exception_on_threads(fast):
     assert isinstance(err.__cause__, KeyError)
 
 
-@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("case", ["kind", "size"])
-def test_mismatched_collectives_on_threads(case, fast):
+def test_mismatched_collectives_on_threads(case, native):
     def fn(comm):
-        comm.fast = fast
+        comm.native = native
         if comm.rank == 0:
             return ops.reduce_scatter(torch.ones(4), comm)
         if case == "kind":
@@ -303,15 +303,15 @@ def _fixed_cases(comm, save_dir=None):
     n, r = comm.world_size, comm.rank
     out = []
     for dtype, chunk, seed in PROC_CASES:
-        out.append(_ring_and_fast(comm, chunk, dtype, seed, with_all_reduce=True))
-    comm.fast = False
+        out.append(_ring_and_native(comm, chunk, dtype, seed, with_all_reduce=True))
+    comm.native = False
     f = torch.arange(5.0) if r == 0 else torch.zeros(5)
     b = torch.tensor([True, False, True]) if r == 0 else torch.zeros(3, dtype=torch.bool)
     ops.broadcast(f, comm), ops.broadcast(b, comm)
     out.append((f, b))
-    # a mismatch on the fast path is caught by the header check before any payload
+    # a mismatch on the native path is caught by the header check before any payload
     # moves, on every rank, so the world stays usable afterwards.
-    comm.fast = True
+    comm.native = True
     try:
         if r == 0:
             ops.reduce_scatter(torch.ones(n * 4), comm)
@@ -320,7 +320,7 @@ def _fixed_cases(comm, save_dir=None):
         out.append("no error")
     except ValueError as e:
         out.append(str(e))
-    comm.fast = False
+    comm.native = False
     out.append(ops.all_reduce(torch.ones(n), comm))  # still usable
     if save_dir is None:
         return out

@@ -179,7 +179,7 @@ DEFAULTS = dict(
     world_size=2, stage=3, dtype=None, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=True,
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
-    out_dir=None, resume=False, seed=1337, data=None, fast=None, preset=None, config=None,
+    out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None,
 )
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
@@ -248,7 +248,7 @@ def parse_args(argv=None):
     opt("--out-dir", str, "save a checkpoint here every eval interval")
     opt("--resume", None, "continue from --out-dir", action="store_true", default=None)
     opt("--data", str, "train on this text file; None: the standard library's sources")
-    opt("--fast", None, "torch's collectives instead of the ring; None: on under torchrun on GPUs",
+    opt("--native", None, "torch's own collectives instead of the ring; None: on under torchrun on GPUs",
         action=argparse.BooleanOptionalAction)
     opt("--preset", str, "", choices=list(PRESETS))
     opt("--config", str, "a DeepSpeed JSON config")
@@ -299,8 +299,8 @@ def train(comm, cfg):
     cuda = device.type == "cuda"
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
     log = print if rank == 0 else (lambda *a, **k: None)
-    if c.fast is not None:
-        comm.fast = c.fast
+    if c.native is not None:
+        comm.native = c.native
 
     data = load_data(c.data)
     gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias)
@@ -404,7 +404,7 @@ def train_entry(comm, cfg):
 if __name__ == "__main__":
     cfg = parse_args()
     if "RANK" in os.environ:  # started by torchrun
-        comm = ops.init_from_env(fast=torch.cuda.is_available() if cfg["fast"] is None else cfg["fast"])
+        comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
         train_entry(comm, cfg)
     else:  # start our own world: one GPU per rank if there are enough, else CPU processes
         gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]

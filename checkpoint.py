@@ -1,0 +1,186 @@
+"""
+Checkpoints of a minizero Engine: one shard file per rank and a manifest written last.
+
+    save(engine, dir)          collective: every rank writes its shard, then rank 0 the manifest
+    load(engine, dir)          collective: re-cut a checkpoint of any world size and stage
+    read_checkpoint(dir)       no process group: the logical (unpadded) fp32 vectors per name
+    consolidate(dir)           no process group: one plain state_dict, every name of the model
+
+A checkpoint is complete only when its manifest says so. Each save writes new shard files
+(their names carry the step and a random tag), so a crash at any moment leaves the previous
+manifest and the shards it names untouched.
+
+The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scale, the world
+size, stage and dtype it was saved at, the model's state_dict names, the hyperparameters,
+and per unit its parameters (name, tied aliases, shape, offset in the unit's flat layout).
+Shard k holds rank k's chunk of every unit's fp32 master, m and v; shard 0 also holds the
+frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
+"""
+import hashlib
+import io
+import json
+import math
+import os
+
+import torch
+
+from ops import all_gather, broadcast
+
+FORMAT = "minizero-1"
+STATE = ("master", "m", "v")  # what a shard holds per unit: the optimizer's fp32 state
+
+
+def save(engine, path, meta=None):
+    """Collective. Each rank writes its shard; once every rank reports its shard safely on
+    disk, rank 0 writes the manifest, which alone makes the checkpoint complete. `meta`
+    (JSON: the training step, say) rides in the manifest and comes back from load()."""
+    if engine.micro:
+        raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
+    comm, r = engine.comm, engine.comm.rank
+    os.makedirs(path, exist_ok=True)
+    nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
+    tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
+    whole = not engine.sharded["optimizer"]  # DDP keeps the whole state: save only my chunk of it
+    shard = {"units": [{k: (u.chunk(getattr(u, k), r) if whole else getattr(u, k)).cpu() for k in STATE}
+                       for u in engine.units]}
+    if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
+        shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
+                          for n, t in engine.frozen().items()}
+    try:
+        digest, error = write_atomic(os.path.join(path, f"shard-{tag}-{r}.pt"), shard), ""
+    except OSError as e:
+        digest, error = bytes(32), str(e)
+    report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=engine.device)
+    reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
+    failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
+    if failed:
+        raise RuntimeError(f"checkpoint not saved: rank(s) {failed} could not write their shard "
+                           f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
+    if r == 0:
+        m = manifest(engine, tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
+        m["meta"] = meta
+        write_atomic(os.path.join(path, "manifest.json"), json.dumps(m, indent=1).encode())
+        keep = {s["file"] for s in m["shards"]} | {"manifest.json"}
+        for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
+            if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
+                os.remove(os.path.join(path, f))
+    all_gather(torch.zeros(1, device=engine.device), comm, kind="checkpoint")  # done, everywhere
+
+
+def manifest(engine, tag, digests):
+    aliases, state = {}, engine.model.state_dict(keep_vars=True)
+    for name, t in state.items():
+        aliases.setdefault(id(t), []).append(name)
+    return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scale,
+            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size, "stage": engine.stage,
+            "dtype": str(engine.dtype), "state_dict": list(state),
+            "hparams": {"lr": engine.lr, "betas": list(engine.betas), "eps": engine.eps,
+                        "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum, "clip": engine.clip},
+            "units": [{"numel": u.numel, "padded": u.padded,
+                       "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o}
+                                  for n, p, o in zip(u.names, u.params, u.offsets)]} for u in engine.units],
+            "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
+
+
+def load(engine, path):
+    """Load a complete checkpoint saved at any world size and stage: the logical (unpadded)
+    vectors are re-cut for this engine's layout. Everything is read and checked before
+    anything is changed, so a bad checkpoint leaves the engine as it was. Returns `meta`."""
+    m, params, extra = read_checkpoint(path)
+    mine = {n: p for u in engine.units for n, p in zip(u.names, u.params)}
+    _check_same(path, {n: list(p.shape) for n, p in mine.items()},
+                {n: v["shape"] for n, v in params.items()}, "trainable parameter")
+    frozen = engine.frozen()
+    _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
+                {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
+    r = engine.comm.rank
+    for u in engine.units:
+        full = {k: _assemble(u, params, k) for k in STATE}
+        if engine.sharded["params"]:
+            u.shard.copy_(u.chunk(full["master"], r))
+        else:
+            u.flat.copy_(full["master"])  # the live parameters, all of them
+        for k in STATE:
+            getattr(u, k).copy_(u.chunk(full[k], r) if engine.sharded["optimizer"] else full[k])
+    for n, t in frozen.items():
+        t.data.copy_(extra[n])
+    engine.t, engine.scale, engine.clean_steps = m["step"], m["scale"], m["clean_steps"]
+    return m.get("meta")
+
+
+# -----------------------------------------------------------------------------
+# the files, read without a process group (consolidation uses this too)
+
+
+def write_atomic(path, obj):
+    """Write to a temporary name, fsync, then rename: the file is whole or absent."""
+    data = obj if isinstance(obj, bytes) else _serialize(obj)
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+    return hashlib.sha256(data).digest()
+
+
+def _serialize(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def read_checkpoint(path):
+    """-> (manifest, {name: {"master", "m", "v": fp32 tensor, "shape"}}, {name: tensor} of
+    frozen parameters and buffers). Every shard is checked against the manifest's sha256."""
+    mpath = os.path.join(path, "manifest.json")
+    if not os.path.exists(mpath):
+        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing "
+                                f"(a save that never finished leaves no manifest)")
+    with open(mpath) as f:
+        m = json.load(f)
+    shards = []
+    for s in m["shards"]:
+        fpath = os.path.join(path, s["file"])
+        if not os.path.exists(fpath):
+            raise FileNotFoundError(f"checkpoint {path} is missing its shard {fpath}")
+        with open(fpath, "rb") as f:
+            data = f.read()
+        if hashlib.sha256(data).hexdigest() != s["sha256"]:
+            raise ValueError(f"checkpoint shard {fpath} is truncated or corrupted "
+                             f"({len(data)} bytes, sha256 differs from the manifest's)")
+        shards.append(torch.load(io.BytesIO(data), weights_only=True))
+    params = {}
+    for i, unit in enumerate(m["units"]):
+        full = {k: torch.cat([s["units"][i][k] for s in shards]) for k in STATE}
+        for p in unit["params"]:
+            n = math.prod(p["shape"])
+            params[p["name"]] = {k: full[k][p["offset"]:p["offset"] + n].view(p["shape"]) for k in full}
+            params[p["name"]]["shape"] = p["shape"]
+    return m, params, shards[0]["extra"]
+
+
+def consolidate(path):
+    """A checkpoint as one plain fp32 state_dict: every name of model.state_dict(),
+    both names of a tied weight, frozen parameters and buffers."""
+    m, params, extra = read_checkpoint(path)
+    values = dict(extra)
+    for unit in m["units"]:
+        for p in unit["params"]:
+            for alias in p["aliases"]:
+                values[alias] = params[p["name"]]["master"].clone()
+    return {n: values[n] for n in m["state_dict"]}
+
+
+def _assemble(u, params, key):
+    """One unit's padded fp32 vector of `key`, in this layout, from per-name values."""
+    x = torch.zeros(u.padded, dtype=torch.float32, device=u.flat.device)
+    for n, p, o in zip(u.names, u.params, u.offsets):
+        x[o:o + p.numel()] = params[n][key].reshape(-1).to(x.device)
+    return x
+
+
+def _check_same(path, ours, theirs, what):
+    for n in sorted(ours.keys() | theirs.keys()):
+        if ours.get(n) != theirs.get(n):
+            raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
+                             f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
