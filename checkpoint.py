@@ -12,7 +12,8 @@ manifest and the shards it names untouched.
 
 The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scale, the world
 size, stage and dtype it was saved at, the model's state_dict names, the hyperparameters,
-and per unit its parameters (name, tied aliases, shape, offset in the unit's flat layout).
+and per unit its parameters (name, tied aliases, shape, offset in the unit's flat layout,
+and AdamW's step count for it: a parameter with no gradient in a step is not stepped).
 Shard k holds rank k's chunk of every unit's fp32 master, m and v; shard 0 also holds the
 frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
 """
@@ -77,8 +78,9 @@ def manifest(engine, tag, digests):
             "hparams": {"lr": engine.lr, "betas": list(engine.betas), "eps": engine.eps,
                         "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum, "clip": engine.clip},
             "units": [{"numel": u.numel, "padded": u.padded,
-                       "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o}
-                                  for n, p, o in zip(u.names, u.params, u.offsets)]} for u in engine.units],
+                       "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o,
+                                   "steps": t} for n, p, o, t in zip(u.names, u.params, u.offsets, u.steps)]}
+                      for u in engine.units],
             "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
 
 
@@ -95,6 +97,7 @@ def load(engine, path):
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
     r = engine.comm.rank
     for u in engine.units:
+        u.steps = [params[n]["steps"] for n in u.names]  # AdamW's per-parameter step counts
         full = {k: _assemble(u, params, k) for k in STATE}
         if engine.sharded["params"]:
             u.shard.copy_(u.chunk(full["master"], r))
@@ -155,7 +158,7 @@ def read_checkpoint(path):
         for p in unit["params"]:
             n = math.prod(p["shape"])
             params[p["name"]] = {k: full[k][p["offset"]:p["offset"] + n].view(p["shape"]) for k in full}
-            params[p["name"]]["shape"] = p["shape"]
+            params[p["name"]]["shape"], params[p["name"]]["steps"] = p["shape"], p["steps"]
     return m, params, shards[0]["extra"]
 
 

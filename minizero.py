@@ -1,10 +1,12 @@
 """
 minizero: data-parallel training with the Zero Redundancy Optimizer, DDP (stage 0) and
-ZeRO stages 1, 2 and 3, read top to bottom in three parts:
+ZeRO stages 1, 2 and 3. This file is what ZeRO computes, read top to bottom:
 
     1. the layout    every stage cuts the model's parameters the same way
     2. the stages    what each stage keeps, and the functions that reduce, update and gather
-    3. the engine    the one stateful object: it wires those functions to autograd's hooks
+    3. the formulas  bytes kept and sent per rank, which the tests hold the engine to
+
+engine.py wires these functions to autograd's hooks (minizero.Engine is that engine).
 
 A model's trainable parameters are grouped into units (each block of an nn.ModuleList,
 plus the root for the rest); each unit is flattened into one buffer padded to a multiple
@@ -23,22 +25,28 @@ gives the same bits as updating the whole buffer. Hence every stage is bit-ident
 DDP. DESIGN.md has the whole argument.
 """
 import argparse
+import hashlib
 import math
 import resource
 import sys
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate
+from itertools import accumulate, chain
 from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
-import checkpoint
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
-from ops import Pending, all_gather, all_reduce, broadcast, reduce_scatter
+from ops import all_gather, all_reduce, broadcast, reduce_scatter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def __getattr__(name):  # minizero.Engine: imported on first use, since engine.py imports this file
+    if name == "Engine":
+        from engine import Engine
+        return Engine
+    raise AttributeError(f"module 'minizero' has no attribute {name!r}")
+
 
 # -----------------------------------------------------------------------------
 # 1. the layout: units of parameters, each flattened into one padded buffer
@@ -101,10 +109,12 @@ class Unit:
         self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N
         self.shard_size = self.padded // N          # rank r owns elements [r·s, (r+1)·s)
         self.decays = decays                        # per parameter: does weight decay apply to it?
+        self.used = [False] * len(self.params)      # per parameter: got a gradient this step (any rank)
+        self.steps = [0] * len(self.params)         # per parameter: AdamW's step count (bias correction)
         self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
         for p, o in zip(self.params, self.offsets):
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
-            p.data = self.flat[o:o + p.numel()].view(p.shape)
+        self.point(self.flat)
         broadcast(self.flat, comm)  # as DDP does: every rank starts from rank 0's values
         mine = self.chunk(self.flat, r) if sharded["optimizer"] else self.flat
         self.shard = mine.clone() if sharded["params"] else None  # stage 3: the 16-bit shard to gather
@@ -120,9 +130,51 @@ class Unit:
         self.arrived = set()                        # parameters whose gradient came in this micro-batch
         self.flushed = False                        # reduce-scattered in this micro-batch?
         self.pending = None                         # stage 3: the gather in flight or done, or None
+        self.held = None                            # stage 3, in engine.gathered(): the params read there
+        if sharded["params"]:  # a read of a released parameter is then an error, not freed memory
+            for n, p in zip(self.names, self.params):
+                p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, False
 
     def chunk(self, x, rank):
         return x.view(-1, self.shard_size)[rank]
+
+    def point(self, buf):
+        """Make the parameters views into buf (flat, or what engine.gathered() holds)."""
+        for p, o in zip(self.params, self.offsets):
+            p.data = buf[o:o + p.numel()].view(p.shape)
+
+    def mark(self, released):
+        """Stage 3: say whether the parameters may be read now."""
+        for p in self.params:
+            p.zero_released = released
+
+
+def check_same_model(model, comm):
+    """Collective (kind "fingerprint"): every rank must have built the same model: the
+    same names, shapes, dtypes, trainability and ties of every parameter and buffer.
+    Otherwise raise on every rank, naming the first difference as both ranks see it."""
+    entries, first = [], {}
+    for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        tie = first.setdefault(id(t), n)
+        entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                       + (" trainable" if t.requires_grad else "") + (f" = {tie}" if tie != n else ""))
+    if comm.world_size == 1:
+        return
+    digest = [int.from_bytes(hashlib.sha256(e.encode()).digest()[:8], "little", signed=True) for e in entries]
+    whole = int.from_bytes(hashlib.sha256("\n".join(entries).encode()).digest()[:8], "little", signed=True)
+    heads = all_gather(torch.tensor([len(entries), whole]), comm, kind="fingerprint").view(-1, 2)
+    if (heads == heads[0]).all():
+        return
+    longest = int(heads[:, 0].max())
+    mine = torch.zeros(longest, dtype=torch.int64)
+    mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
+    table = all_gather(mine, comm, kind="fingerprint").view(comm.world_size, -1)
+    i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest) if table[k, i] != table[0, i])
+    say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
+    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8), comm, kind="fingerprint").view(comm.world_size, -1)
+    theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
+    raise ValueError(f"the ranks built different models: parameter/buffer #{i} is '{theirs[0]}' on rank 0 "
+                     f"but '{theirs[1]}' on rank {k}; build the same model on every rank before Engine(...)")
 
 
 # -----------------------------------------------------------------------------
@@ -163,15 +215,16 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     return p, m, v
 
 
-def runs(u, lo, hi, hp, t):
+def runs(u, lo, hi, hp):
     """The pieces of the unit's parameters inside elements [lo, hi) of its layout, as
-    (a, b, step count, decay factor) relative to lo; neighbours that agree are merged
-    and padding is left out. Every stage cuts its range the same way, so the same
-    elements see the same numbers."""
+    (a, b, step count, decay factor) relative to lo; neighbours that agree are merged,
+    padding is left out, and so is a parameter no rank gave a gradient this step (torch's
+    AdamW skips a grad=None parameter: no decay, no moments, no step). Every stage cuts
+    its range the same way, so the same elements see the same numbers."""
     out = []
-    for o, p, d in zip(u.offsets, u.params, u.decays):
+    for o, p, d, t, used in zip(u.offsets, u.params, u.decays, u.steps, u.used):
         a, b = max(o, lo) - lo, min(o + p.numel(), hi) - lo
-        if a >= b:
+        if a >= b or not used:
             continue
         decay = 1 - hp.lr * hp.weight_decay if d and hp.weight_decay else 1.0
         if out and out[-1][1] == a and out[-1][2:] == (t, decay):
@@ -244,6 +297,46 @@ def release_params(flat):
     flat.untyped_storage().resize_(0)
 
 
+def tensors(x):
+    """Every tensor in x, also inside tuples, lists and dicts."""
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (tuple, list)):
+        for y in x:
+            yield from tensors(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from tensors(y)
+
+
+_T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
+_METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf",
+                                                "grad_fn", "ndim", "layout")} | {
+    _T.data.__set__, _T.grad.__set__, _T.requires_grad.__set__} | {
+    getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size", "is_floating_point",
+                             "requires_grad_", "register_hook", "register_post_accumulate_grad_hook")}
+
+
+class ShardedParameter(nn.Parameter):
+    """A stage-3 parameter. Between uses its storage is released, and reading it would
+    read freed memory, so any op on it then raises instead (its shape, dtype and numel
+    stay readable). PyTorch itself turns UninitializedParameter into a Parameter by
+    assigning __class__; the engine does the same, so the user's references stay valid."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for a in tensors((args, kwargs)):
+                if isinstance(a, ShardedParameter) and a.zero_released:
+                    raise RuntimeError(
+                        f"{a.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered now: "
+                        f"read parameters inside `with engine.gathered():` (every rank enters it), or take "
+                        f"engine.full_state_dict() (a collective); the engine must still be alive")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 def clip_coef(grad_shards, max_norm, comm):
     """torch's clip_grad_norm_ coefficient. The squared norm is summed per shard, then
     across ranks in rank order, so it is the same number in every stage."""
@@ -253,6 +346,10 @@ def clip_coef(grad_shards, max_norm, comm):
     for x in per_rank[1:]:
         total = total + x
     return torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+
+
+# -----------------------------------------------------------------------------
+# 3. the formulas
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16):
@@ -274,363 +371,6 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
         return {}
     return {"reduce_scatter": per * grad_accum,
             "all_gather": per * (2 * grad_accum if sharded(stage)["params"] else 1)}
-
-
-# -----------------------------------------------------------------------------
-# 3. the engine: the one stateful object, because autograd's hooks need somewhere to
-# keep what they see. It decides when each function above runs, never how.
-
-
-class Engine:
-    """Wraps a model for data-parallel training at a ZeRO stage. Call the model as usual,
-    then engine.backward(loss) per micro-batch and engine.step() every grad_accum of them.
-    Keep a reference to the engine while you use the model: its hooks point back to it."""
-
-    def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
-                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, overlap=True, native=None):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
-        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
-        if len(devices) > 1:
-            raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
-                             f"move the model to one device (model.to(device)) first")
-        if native is not None:
-            comm.native = native  # torch's own collectives instead of the ring (ops.py)
-        self.model = model                      # the user's module; its parameters live in the units
-        self.comm = comm                        # send/recv and the byte ledger (ops.py)
-        self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
-        self.sharded = sharded(stage)           # what this stage keeps 1/N of
-        self.dtype = dtype                      # compute dtype of params, grads and float inputs
-        self.reduce_dtype = reduce_dtype or dtype  # dtype the gradients are summed in
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # AdamW; lr may change
-        self.grad_accum = grad_accum            # backward() calls per step()
-        self.clip = clip                        # max gradient norm, or None
-        self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scale
-        self.scale_window = scale_window        # fp16: clean steps before the scale doubles
-        self.clean_steps = 0                    # fp16: steps since the last overflow
-        self.t = 0                              # optimizer steps taken
-        self.micro = 0                          # backward() calls since the last step()
-        self.jobs = []                          # this micro-batch's reductions in flight
-        self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
-        # one communication thread per rank runs collectives in the order they are asked
-        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
-        self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
-
-        modules = default_units(model) if units is None else list(units)
-        groups, cross = group_params(model, modules)
-        if cross and self.sharded["params"]:
-            a, b = cross[0]
-            raise ValueError(f"{a} and {b} are one parameter tied across two units; stage 3 "
-                             f"gathers one unit at a time, so put both modules in one unit "
-                             f"(units=...) or use stage 0-2")
-        model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
-        self.units = [Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
-                           [decay is None or bool(decay(n, p)) for n, p in g])
-                      for m, g in zip(modules, groups) if g]
-        self.device = self.units[0].flat.device  # where the model lives
-        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
-            broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
-
-        # the hooks hold the engine weakly: drop the engine and it (and its thread) goes,
-        # instead of living on in a cycle through the parameters
-        ref = weakref.ref(self)
-        for u in self.units:
-            for i, p in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(_grad_hook(ref, u, i))
-            if self.sharded["params"]:
-                self._release(u)
-                u.module.register_forward_pre_hook(_gather_hook(ref, u))
-                u.module.register_forward_hook(_after_forward_hook(ref, u))
-        model.register_forward_pre_hook(_cast_hook(ref))
-        if self.sharded["params"]:
-            model.register_forward_hook(_eval_done_hook(ref))
-
-    # ---- communication runs on its own thread, in the order it is asked for
-
-    def _submit(self, job):
-        """Run job() on this rank's communication thread (overlap=True) while autograd
-        computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks."""
-        if self.pool is None:
-            out = job()
-            return Pending(lambda: out)
-        if self.side is None:
-            return Pending(self.pool.submit(job).result)
-        ready = torch.cuda.Event()
-        ready.record()  # GPU: the side stream waits for the compute that made the inputs
-
-        def on_side_stream():
-            with torch.cuda.stream(self.side):
-                self.side.wait_event(ready)
-                out = job()
-                self.side.synchronize()
-                return out
-        return Pending(self.pool.submit(on_side_stream).result)
-
-    def _drain(self):
-        """Wait until the communication thread is idle: after this, collectives may run inline."""
-        for job in self.jobs:
-            job.wait()  # re-raises a failed collective here
-        self.jobs = []
-        if self.pool is not None:
-            self.pool.submit(lambda: None).result()
-
-    # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next
-
-    def _gather(self, u, order):
-        """Wait for unit u's params (fetching them now if no prefetch did), then start
-        fetching the unit that came after u last time in this pass (order)."""
-        self._fetch(u).wait()
-        if u not in order:
-            order.append(u)  # the first pass records the order the next passes prefetch in
-        i = order.index(u) + 1
-        if self.pool is not None and i < len(order):
-            self._fetch(order[i])
-
-    def _fetch(self, u):
-        """Start the unit's all-gather (unless one is in flight), into memory allocated
-        here, on the compute stream, so that reusing it is ordered after its last reader."""
-        if u.pending is None:
-            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
-        return u.pending
-
-    def _release(self, u):
-        if u.pending is not None:
-            u.pending.wait()
-        release_params(u.flat)
-        u.pending = None
-
-    def _after_forward(self, u, out):
-        if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
-            for t in _tensors(out):
-                if t.requires_grad:
-                    t.register_hook(_regather_hook(weakref.ref(self), u))
-        self._release(u)
-
-    def _release_all(self):
-        for u in self.units:
-            if u.pending is not None:
-                self._release(u)
-
-    def _cast_inputs(self, args):
-        return tuple(a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a
-                     for a in args)
-
-    # ---- backward: collect local gradients, reduce-scatter each unit once it is complete
-
-    def _bucket(self, u):
-        """The unit's full local-gradient buffer: kept at stages 0-1 (u.grad); at stages
-        2-3 alive only from the unit's first gradient to its reduce-scatter."""
-        if u.grad is not None:
-            return u.grad
-        if u.local is None:
-            u.local = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
-        return u.local
-
-    def _on_grad(self, u, i, p):
-        """Parameter i of unit u has its local gradient: move it into the unit's bucket."""
-        o = u.offsets[i]
-        self._bucket(u)[o:o + p.numel()].copy_(p.grad.view(-1))
-        p.grad = None
-        u.arrived.add(i)
-        if len(u.arrived) == len(u.params):
-            self._reduce(u)
-
-    def _reduce(self, u):
-        """Reduce the unit's gradient on the communication thread; what each rank keeps
-        of it, and when the rest goes, is the stage's (reduce_grads, ddp_reduce)."""
-        bucket = self._bucket(u)
-        for i in set(range(len(u.params))) - u.arrived:  # a parameter that got no gradient
-            o = u.offsets[i]
-            bucket[o:o + u.params[i].numel()].zero_()
-        local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
-        reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
-
-        def job():
-            if self.sharded["optimizer"]:
-                u.reduced = reduce_grads(local, reduced, self.comm)
-            else:  # the whole optimizer on every rank needs the whole gradient
-                out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
-                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
-        self.jobs.append(self._submit(job))
-        u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
-        if self.sharded["params"]:
-            self._release(u)
-
-    def backward(self, loss):
-        """Backward for one micro-batch; scaled by 1/grad_accum (and the fp16 loss scale).
-        Returns once every unit's gradient is reduced."""
-        if self.micro == self.grad_accum:
-            raise RuntimeError(f"backward() called {self.micro + 1} times since the last step() "
-                               f"with grad_accum={self.grad_accum}; call engine.step()")
-        for u in self.units:
-            u.flushed = False
-        (loss.float() * (self.scale / self.grad_accum)).backward()
-        for u in self.units:  # units whose parameters were not all used: reduce them now
-            if not u.flushed:
-                self._reduce(u)
-        self._drain()
-        if self.sharded["params"]:
-            self._release_all()
-        self.micro += 1
-
-    # ---- the step: each rank updates what it keeps (ddp_update or zero_update)
-
-    def step(self):
-        """Update after grad_accum backward() calls; False if fp16 overflow skipped it."""
-        if self.micro != self.grad_accum:
-            raise RuntimeError(f"step() after {self.micro} backward() calls; grad_accum="
-                               f"{self.grad_accum} expects exactly that many before each step")
-        self.micro = 0
-        self._drain()
-        unscale = 1.0 / (self.comm.world_size * self.scale)  # mean over ranks, undo the loss scale
-        if self.dtype == torch.float16 and self._overflow():
-            self.scale, self.clean_steps = self.scale / 2, 0
-            self._drop_grads()
-            return False
-        coef = None
-        if self.clip is not None:
-            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
-        self.t += 1
-        hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
-        r = self.comm.rank
-        for u in self.units:
-            if self.sharded["optimizer"]:
-                lo = r * u.shard_size
-                zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp, self.t), hp,
-                            self.comm, u.flat, u.shard)
-            else:
-                ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp, self.t), hp)
-        self._drop_grads()
-        if self.dtype == torch.float16:
-            self.clean_steps += 1
-            if self.clean_steps % self.scale_window == 0:
-                self.scale *= 2
-        return True
-
-    def _drop_grads(self):
-        """After a step: only a sharded gradient is kept between steps (what memory() counts)."""
-        for u in self.units:
-            u.full_grad = None
-            if not self.sharded["grads"]:
-                u.reduced = None
-
-    def _overflow(self):
-        """fp16: did any rank's gradient shard overflow? Then every rank skips the step."""
-        bad = any(not torch.isfinite(u.reduced).all() for u in self.units)
-        flags = all_gather(torch.tensor([float(bad)], device=self.device), self.comm, kind="overflow")
-        return bool(flags.any())
-
-    # ---- what leaves the engine
-
-    def full_state_dict(self):
-        """Collective. {name: fp32 tensor} for every name of model.state_dict(): tied
-        names, frozen parameters and buffers included, so a fresh model loads it strictly."""
-        values = {}
-        self._drain()
-        for u in self.units:
-            full = all_gather(u.master, self.comm, kind="state_dict") if self.sharded["optimizer"] else u.master
-            for p, o in zip(u.params, u.offsets):
-                values[id(p)] = full[o:o + p.numel()].view(p.shape)
-        out = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            v = values.get(id(t), t.detach())
-            out[name] = (v.float() if v.is_floating_point() else v).clone()
-        return out
-
-    def frozen(self):
-        """{name: tensor} of the model's state that is not a trainable parameter."""
-        trainable = {id(p) for u in self.units for p in u.params}
-        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
-
-    def memory(self):
-        """Bytes of the tensors this rank keeps between steps, by category."""
-        def nbytes(*ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
-        params = grads = opt = 0
-        for u in self.units:
-            params += nbytes(u.shard if self.sharded["params"] else u.flat)
-            grads += nbytes(u.reduced if self.sharded["grads"] else u.grad)
-            opt += nbytes(u.m, u.v) + (nbytes(u.master) if self.dtype != torch.float32 else 0)
-        return {"params": params, "grads": grads, "optimizer": opt}
-
-    def numel(self):
-        """Ψ as laid out: trainable parameters plus padding."""
-        return sum(u.padded for u in self.units)
-
-    def formula(self):
-        return model_state_bytes(self.numel(), self.comm.world_size, self.stage, self.dtype)
-
-    def save_checkpoint(self, path, meta=None):
-        """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
-        self._drain()
-        checkpoint.save(self, path, meta)
-
-    def load_checkpoint(self, path):
-        """Collective: load a checkpoint saved at any world size and stage; returns its meta."""
-        return checkpoint.load(self, path)
-
-
-# the hooks autograd and the model call: each holds the engine weakly and finds it here
-
-
-def _engine(ref):
-    engine = ref()
-    if engine is None:
-        raise RuntimeError("this model's minizero Engine is gone; keep a reference to the engine "
-                           "for as long as you use the model")
-    return engine
-
-
-def _grad_hook(ref, u, i):
-    return lambda p: _engine(ref)._on_grad(u, i, p)
-
-
-def _gather_hook(ref, u):
-    def hook(module, args):
-        engine = _engine(ref)
-        engine._gather(u, engine.fwd_order)
-    return hook
-
-
-def _after_forward_hook(ref, u):
-    return lambda module, args, out: _engine(ref)._after_forward(u, out)
-
-
-def _regather_hook(ref, u):
-    def hook(grad):
-        engine = _engine(ref)
-        engine._gather(u, engine.bwd_order)
-    return hook
-
-
-def _cast_hook(ref):
-    return lambda module, args: _engine(ref)._cast_inputs(args)
-
-
-def _eval_done_hook(ref):
-    """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
-    return lambda *_: None if torch.is_grad_enabled() else _engine(ref)._release_all()
-
-
-def _tensors(x):
-    if torch.is_tensor(x):
-        yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _tensors(y)
 
 
 def peak_memory(device):

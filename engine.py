@@ -1,0 +1,506 @@
+"""
+The engine: the one stateful object of minizero, because autograd's hooks need somewhere
+to keep what they see. It decides *when* the functions of minizero.py run (reduce a unit
+once its last gradient is in, gather a stage-3 unit before it is used, prefetch the next,
+update after the last micro-batch); *how* they sum, update and share is theirs.
+
+    engine = Engine(model, comm, stage=3, lr=3e-4, dtype=torch.bfloat16, grad_accum=4)
+    loss = model(x, y)          # call the model as usual
+    engine.backward(loss)       # once per micro-batch
+    engine.step()               # after grad_accum of them
+"""
+import contextlib
+import warnings
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+import checkpoint
+from minizero import (DTYPES, Hyper, Unit, check_same_model, clip_coef, ddp_reduce, ddp_update, default_units,
+                      gather_params, group_params, model_state_bytes, reduce_grads, release_params, runs,
+                      sharded, tensors, zero_update)
+from ops import Pending, all_gather, broadcast
+
+
+class Engine:
+    """Wraps a model for data-parallel training at a ZeRO stage. Call the model as usual,
+    then engine.backward(loss) per micro-batch and engine.step() every grad_accum of them.
+    Keep a reference to the engine while you use the model: its hooks point back to it."""
+
+    def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
+                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
+                 broadcast_buffers=True, overlap=True, native=None):
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
+        if grad_accum < 1:
+            raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
+        if not any(p.requires_grad for p in model.parameters()):
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
+        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
+        if len(devices) > 1:
+            raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
+                             f"move the model to one device (model.to(device)) first")
+        if native is not None:
+            comm.native = native  # torch's own collectives instead of the ring (ops.py)
+        check_same_model(model, comm)  # first: every later collective's size depends on it
+        self.model = model                      # the user's module; its parameters live in the units
+        self.comm = comm                        # send/recv and the byte ledger (ops.py)
+        self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
+        self.sharded = sharded(stage)           # what this stage keeps 1/N of
+        self.dtype = dtype                      # compute dtype of params, grads and float inputs
+        self.reduce_dtype = reduce_dtype or dtype  # dtype the gradients are summed in
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # AdamW; lr may change
+        self.grad_accum = grad_accum            # backward() calls per step()
+        self.clip = clip                        # max gradient norm, or None
+        self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scale
+        self.scale_window = scale_window        # fp16: clean steps before the scale doubles
+        self.clean_steps = 0                    # fp16: steps since the last overflow
+        self.skip_limit = skip_limit            # raise after this many skipped steps in a row
+        self.skipped, self.skips_in_row = 0, 0  # steps skipped for non-finite gradients
+        self.t = 0                              # optimizer steps taken
+        self.micro = 0                          # backward() calls since the last step()
+        self.finite = None                      # this rank's own gradients all finite? (a device flag)
+        self.in_backward = False                # a forward now is a recomputation inside backward
+        self.writing = False                    # inside gathered(writable=True): loading weights is fine
+        self.closed = False                     # close() was called: the hooks refuse
+        self.jobs = []                          # this micro-batch's reductions in flight
+        self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
+        # one communication thread per rank runs collectives in the order they are asked
+        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
+        self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
+
+        modules = default_units(model) if units is None else list(units)
+        groups, cross = group_params(model, modules)
+        if cross and self.sharded["params"]:
+            a, b = cross[0]
+            raise ValueError(f"{a} and {b} are one parameter tied across two units; stage 3 "
+                             f"gathers one unit at a time, so put both modules in one unit "
+                             f"(units=...) or use stage 0-2")
+        model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
+        self.units = [Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
+                           [decay is None or bool(decay(n, p)) for n, p in g])
+                      for m, g in zip(modules, groups) if g]
+        self.device = self.units[0].flat.device  # where the model lives
+        self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
+        for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
+            broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
+
+        # the hooks hold the engine weakly: drop the engine and it (and its thread) goes,
+        # instead of living on in a cycle through the parameters
+        ref = weakref.ref(self)
+        for u in self.units:
+            for i, p in enumerate(u.params):
+                p.register_post_accumulate_grad_hook(_grad_hook(ref, u, i))
+            if self.sharded["params"]:
+                self._release(u)
+                u.module.register_forward_pre_hook(_gather_hook(ref, u))
+                u.module.register_forward_hook(_after_forward_hook(ref, u))
+        model.register_forward_pre_hook(_before_forward_hook(ref), with_kwargs=True)
+        model.register_load_state_dict_pre_hook(_load_hook(ref))
+        if self.sharded["params"]:
+            model.register_forward_hook(_eval_done_hook(ref))
+
+    # ---- communication runs on its own thread, in the order it is asked for
+
+    def _submit(self, job):
+        """Run job() on this rank's communication thread (overlap=True) while autograd
+        computes. Every rank submits the same collectives in the same order, and one
+        thread runs them in that order, so they pair up across ranks."""
+        if self.pool is None:
+            out = job()
+            return Pending(lambda: out)
+        if self.side is None:
+            return Pending(self.pool.submit(job).result)
+        ready = torch.cuda.Event()
+        ready.record()  # GPU: the side stream waits for the compute that made the inputs
+
+        def on_side_stream():
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(ready)
+                out = job()
+                self.side.synchronize()
+                return out
+        return Pending(self.pool.submit(on_side_stream).result)
+
+    def _drain(self):
+        """Wait until the communication thread is idle: after this, collectives may run inline."""
+        for job in self.jobs:
+            job.wait()  # re-raises a failed collective here
+        self.jobs = []
+        if self.pool is not None:
+            self.pool.submit(lambda: None).result()
+
+    # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
+
+    def _before_forward(self, args, kwargs):
+        if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere
+            self._submit(self._broadcast_buffers).wait()  # (in line with stage 3's prefetches)
+        return self._cast(args), self._cast(kwargs)
+
+    def _broadcast_buffers(self):
+        for dtype in {b.dtype for b in self.buffers}:  # one broadcast per dtype, booked apart from Ψ
+            group = [b for b in self.buffers if b.dtype == dtype]
+            flat = broadcast(torch.cat([b.reshape(-1) for b in group]), self.comm, kind="buffers")
+            for b, x in zip(group, flat.split([b.numel() for b in group])):
+                b.copy_(x.view(b.shape))
+
+    def _cast(self, x):
+        """Float tensors to the compute dtype, also inside tuples, lists and dicts."""
+        if torch.is_tensor(x):
+            return x.to(self.dtype) if x.is_floating_point() else x
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+            return type(x)(*map(self._cast, x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(map(self._cast, x))
+        if isinstance(x, dict):
+            return type(x)((k, self._cast(v)) for k, v in x.items())
+        return x
+
+    # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next
+
+    def _gather(self, u, order):
+        """Wait for unit u's params (fetching them now if no prefetch did), then start
+        fetching the unit that came after u last time in this pass (order)."""
+        if u.held is not None:  # inside gathered(): the unit stays as it is
+            return
+        self._fetch(u).wait()
+        u.mark(released=False)
+        if u not in order:
+            order.append(u)  # the first pass records the order the next passes prefetch in
+        i = order.index(u) + 1
+        if self.pool is not None and i < len(order):
+            self._fetch(order[i])
+
+    def _fetch(self, u):
+        """Start the unit's all-gather (unless one is in flight), into memory allocated
+        here, on the compute stream, so that reusing it is ordered after its last reader."""
+        if u.pending is None:
+            u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
+        return u.pending
+
+    def _release(self, u):
+        if u.held is not None:
+            return
+        if u.pending is not None:
+            u.pending.wait()
+        u.mark(released=True)
+        release_params(u.flat)
+        u.pending = None
+
+    def _after_forward(self, u, out):
+        if self.in_backward:  # a recomputation (activation checkpointing): backward still needs
+            return            # the unit; it is released once its gradients are reduced
+        if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
+            for t in tensors(out):
+                if t.requires_grad:
+                    t.register_hook(_regather_hook(weakref.ref(self), u))
+        self._release(u)
+
+    def _release_all(self):
+        for u in self.units:
+            if u.pending is not None:
+                self._release(u)
+
+    @contextlib.contextmanager
+    def gathered(self, modules=None, writable=False):
+        """Collective: every rank enters it. Inside, the parameters of the units that hold
+        `modules`' parameters (all units by default) are whole and may be read: stage 3
+        all-gathers them into a buffer of their own (kind "gathered"), which lives on while
+        anything still views it. With writable=True, on exit rank 0's values win: they are
+        broadcast and written into every rank's fp32 master (and stage 3's shard), so every
+        rank trains on what rank 0 wrote. DeepSpeed: GatheredParameters; FSDP: summon_full_params."""
+        want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
+        units = [u for u in self.units if want is None or any(id(p) in want for p in u.params)]
+        self._drain()
+        if self.sharded["params"]:
+            self._release_all()
+            for u in units:
+                if u.held is not None:
+                    raise RuntimeError("engine.gathered() is already open for these parameters; do not nest it")
+                u.held = all_gather(u.shard, self.comm, kind="gathered")
+                u.point(u.held)
+                u.mark(released=False)
+        self.writing = writable
+        try:
+            yield
+        finally:
+            self.writing = False
+            for u in units:
+                full = u.flat if u.held is None else u.held
+                if writable:
+                    self._write_master(u, broadcast(full, self.comm, kind="gathered"))
+                if u.held is not None:
+                    u.point(u.flat)
+                    u.mark(released=True)
+                    u.held = None
+
+    def _write_master(self, u, full):
+        """Take the unit's whole params `full` as the new weights: master, shard, flat."""
+        mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
+        u.master.copy_(mine)
+        if u.shard is not None and u.shard is not u.master:
+            u.shard.copy_(mine)
+        elif u.shard is None and full is not u.flat:
+            u.flat.copy_(full)
+
+    # ---- backward: collect local gradients, reduce-scatter each unit once it is complete
+
+    def _bucket(self, u):
+        """The unit's full local-gradient buffer: kept at stages 0-1 (u.grad); at stages
+        2-3 alive only from the unit's first gradient to its reduce-scatter."""
+        if u.grad is not None:
+            return u.grad
+        if u.local is None:
+            u.local = torch.zeros(u.padded, dtype=self.dtype, device=self.device)
+        return u.local
+
+    def _on_grad(self, u, i, p):
+        """Parameter i of unit u has its local gradient: move it into the unit's bucket."""
+        if u.flushed:
+            raise RuntimeError(f"{u.names[i]} got a gradient after its unit was reduced in this backward: "
+                               f"a module used in two reentrant activation-checkpoint regions does this; use "
+                               f"checkpoint(..., use_reentrant=False) (torch DDP needs that too)")
+        o, g = u.offsets[i], p.grad.view(-1)
+        dst = self._bucket(u)[o:o + p.numel()]
+        dst.add_(g) if i in u.arrived else dst.copy_(g)  # add: a second reentrant region's part
+        p.grad = None
+        u.arrived.add(i)
+        u.used[i] = True
+        if len(u.arrived) == len(u.params):
+            self._reduce(u)
+
+    def _reduce(self, u):
+        """Reduce the unit's gradient on the communication thread; what each rank keeps
+        of it, and when the rest goes, is the stage's (reduce_grads, ddp_reduce)."""
+        bucket = self._bucket(u)
+        for i in set(range(len(u.params))) - u.arrived:  # no gradient here: zero, as in DDP
+            o = u.offsets[i]
+            bucket[o:o + u.params[i].numel()].zero_()
+        local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
+        reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
+        self.finite &= torch.isfinite(local).all()  # which rank's own gradient went bad
+
+        def job():
+            if self.sharded["optimizer"]:
+                u.reduced = reduce_grads(local, reduced, self.comm)
+            else:  # the whole optimizer on every rank needs the whole gradient
+                out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
+                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
+        self.jobs.append(self._submit(job))
+        u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
+        if self.sharded["params"]:
+            self._release(u)
+
+    def backward(self, loss):
+        """Backward for one micro-batch; scaled by 1/grad_accum (and the fp16 loss scale).
+        Returns once every unit's gradient is reduced."""
+        if self.micro == self.grad_accum:
+            raise RuntimeError(f"backward() called {self.micro + 1} times since the last step() "
+                               f"with grad_accum={self.grad_accum}; call engine.step()")
+        for u in self.units:
+            u.flushed = False
+        self.in_backward = True
+        try:
+            (loss.float() * (self.scale / self.grad_accum)).backward()
+        finally:
+            self.in_backward = False
+        for u in self.units:  # units whose parameters were not all used: reduce them now
+            if not u.flushed:
+                self._reduce(u)
+        self._drain()
+        if self.sharded["params"]:
+            self._release_all()
+        self.micro += 1
+
+    # ---- the step: each rank updates what it keeps (ddp_update or zero_update)
+
+    def step(self):
+        """Update after grad_accum backward() calls. False if a non-finite gradient on any
+        rank skipped the step everywhere (params, moments and step counts unchanged)."""
+        if self.micro != self.grad_accum:
+            raise RuntimeError(f"step() after {self.micro} backward() calls; grad_accum="
+                               f"{self.grad_accum} expects exactly that many before each step")
+        self.micro = 0
+        self._drain()
+        bad = self._agree()
+        if bad is not None:
+            return self._skip(bad)
+        unscale = 1.0 / (self.comm.world_size * self.scale)  # mean over ranks, undo the loss scale
+        coef = None
+        if self.clip is not None:
+            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
+        self.t += 1
+        self.skips_in_row = 0
+        hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
+        r = self.comm.rank
+        for u in self.units:
+            u.steps = [t + used for t, used in zip(u.steps, u.used)]
+            if self.sharded["optimizer"]:
+                lo = r * u.shard_size
+                zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
+                            self.comm, u.flat, u.shard)
+            else:
+                ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
+        self._drop_grads()
+        if self.dtype == torch.float16:
+            self.clean_steps += 1
+            if self.clean_steps % self.scale_window == 0:
+                self.scale *= 2
+        return True
+
+    def _agree(self):
+        """One small collective per step (kind "flags", booked apart from Ψ): which
+        parameters got a gradient on any rank in any micro-batch (DDP's unused-parameter
+        rule), and whether any gradient went non-finite, in a rank's own gradient or in
+        the sum. Returns None if all is finite, else the ranks whose own gradient was not."""
+        mine = [float(not self.finite), float(any(not torch.isfinite(u.reduced).all() for u in self.units))]
+        mine += [float(x) for u in self.units for x in u.used]
+        flags = all_gather(torch.tensor(mine, device=self.device), self.comm, kind="flags")
+        flags = flags.view(self.comm.world_size, -1).cpu()
+        used = iter(flags[:, 2:].amax(0).bool().tolist())
+        for u in self.units:
+            u.used = [next(used) for _ in u.params]
+        self.finite.fill_(True)
+        if flags[:, :2].any():
+            return [k for k in range(self.comm.world_size) if flags[k, 0]]
+        return None
+
+    def _skip(self, bad):
+        """Skip this step on every rank; fp16 halves its loss scale; raise after skip_limit in a row."""
+        self._drop_grads()
+        if self.dtype == torch.float16:
+            self.scale, self.clean_steps = self.scale / 2, 0
+        self.skipped, self.skips_in_row = self.skipped + 1, self.skips_in_row + 1
+        where = f"rank(s) {bad}" if bad else "the sum over ranks (finite gradients overflowed)"
+        if self.skipped == 1 and self.comm.rank == 0:
+            warnings.warn(f"minizero: step {self.t + 1} skipped on every rank: non-finite gradients on {where}; "
+                          f"parameters, moments and step counts are unchanged"
+                          + (f" (fp16 loss scale now {self.scale:g})" if self.dtype == torch.float16 else ""))
+        if self.skips_in_row >= self.skip_limit:
+            raise FloatingPointError(f"{self.skips_in_row} steps in a row skipped for non-finite gradients "
+                                     f"(last seen on {where}); the model is as it was after step {self.t}. "
+                                     f"Lower the learning rate, check the data, or raise skip_limit")
+        return False
+
+    def _drop_grads(self):
+        """After a step: only a sharded gradient is kept between steps (what memory() counts)."""
+        for u in self.units:
+            u.full_grad, u.used = None, [False] * len(u.params)
+            if not self.sharded["grads"]:
+                u.reduced = None
+
+    # ---- what leaves the engine
+
+    def full_state_dict(self):
+        """Collective. {name: fp32 tensor} for every name of model.state_dict(): tied
+        names, frozen parameters and buffers included, so a fresh model loads it strictly."""
+        values = {}
+        self._drain()
+        for u in self.units:
+            full = all_gather(u.master, self.comm, kind="state_dict") if self.sharded["optimizer"] else u.master
+            for p, o in zip(u.params, u.offsets):
+                values[id(p)] = full[o:o + p.numel()].view(p.shape)
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            v = values[id(t)] if id(t) in values else t.detach()  # (a released param: never read)
+            out[name] = (v.float() if v.is_floating_point() else v).clone()
+        return out
+
+    def frozen(self):
+        """{name: tensor} of the model's state that is not a trainable parameter."""
+        trainable = {id(p) for u in self.units for p in u.params}
+        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+
+    def memory(self):
+        """Bytes of the tensors this rank keeps between steps, by category."""
+        def nbytes(*ts):
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        params = grads = opt = 0
+        for u in self.units:
+            params += nbytes(u.shard if self.sharded["params"] else u.flat)
+            grads += nbytes(u.reduced if self.sharded["grads"] else u.grad)
+            opt += nbytes(u.m, u.v) + (nbytes(u.master) if self.dtype != torch.float32 else 0)
+        return {"params": params, "grads": grads, "optimizer": opt}
+
+    def numel(self):
+        """Ψ as laid out: trainable parameters plus padding."""
+        return sum(u.padded for u in self.units)
+
+    def formula(self):
+        return model_state_bytes(self.numel(), self.comm.world_size, self.stage, self.dtype)
+
+    def save_checkpoint(self, path, meta=None):
+        """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
+        self._drain()
+        checkpoint.save(self, path, meta)
+
+    def load_checkpoint(self, path):
+        """Collective: load a checkpoint saved at any world size and stage; returns its meta."""
+        return checkpoint.load(self, path)
+
+    def close(self):
+        """Stop the communication thread. The model's hooks refuse from now on."""
+        if not self.closed:
+            self._drain()
+            self.closed = True
+            if self.pool is not None:
+                self.pool.shutdown()
+
+
+# the hooks autograd and the model call: each holds the engine weakly and finds it here
+
+
+def _engine(ref):
+    engine = ref()
+    if engine is None or engine.closed:
+        raise RuntimeError(f"this model's minizero Engine is {'gone' if engine is None else 'closed'}; keep the "
+                           f"engine (and do not close it) for as long as you train or run the model")
+    return engine
+
+
+def _grad_hook(ref, u, i):
+    return lambda p: _engine(ref)._on_grad(u, i, p)
+
+
+def _gather_hook(ref, u):
+    def hook(module, args):
+        engine = _engine(ref)
+        engine._gather(u, engine.bwd_order if engine.in_backward else engine.fwd_order)
+    return hook
+
+
+def _after_forward_hook(ref, u):
+    return lambda module, args, out: _engine(ref)._after_forward(u, out)
+
+
+def _regather_hook(ref, u):
+    def hook(grad):
+        engine = _engine(ref)
+        engine._gather(u, engine.bwd_order)
+    return hook
+
+
+def _before_forward_hook(ref):
+    return lambda module, args, kwargs: _engine(ref)._before_forward(args, kwargs)
+
+
+def _load_hook(ref):
+    """model.load_state_dict() would change the params but not the optimizer's master."""
+    def hook(module, *_):
+        if not _engine(ref).writing:
+            raise RuntimeError("load weights inside `with engine.gathered(writable=True):` (every rank "
+                               "enters it), so the optimizer's fp32 master takes them too; or use "
+                               "engine.load_checkpoint(), or load before you build the Engine")
+    return hook
+
+
+def _eval_done_hook(ref):
+    """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
+    return lambda *_: None if torch.is_grad_enabled() else _engine(ref)._release_all()
