@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
-from minizero import (DTYPES, Hyper, Unit, check_same_model, clip_coef, ddp_reduce, ddp_update, default_units,
+from minizero import (DTYPES, Hyper, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update, default_units,
                       gather_params, group_params, model_state_bytes, reduce_grads, release_params, runs,
                       sharded, tensors, zero_update)
 from ops import Pending, all_gather, broadcast
@@ -68,6 +68,8 @@ class Engine:
         self.writing = False                    # inside gathered(writable=True): loading weights is fine
         self.closed = False                     # close() was called: the hooks refuse
         self.jobs = []                          # this micro-batch's reductions in flight
+        self.next = 0                           # the next unit, in self.order, to reduce
+        self.trace = 0                          # a hash of the units this rank gathered and reduced
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
         # one communication thread per rank runs collectives in the order they are asked
         # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
@@ -86,6 +88,7 @@ class Engine:
                            [decay is None or bool(decay(n, p)) for n, p in g])
                       for m, g in zip(modules, groups) if g]
         self.device = self.units[0].flat.device  # where the model lives
+        self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
@@ -141,26 +144,14 @@ class Engine:
     def _before_forward(self, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere
             self._submit(self._broadcast_buffers).wait()  # (in line with stage 3's prefetches)
-        return self._cast(args), self._cast(kwargs)
+        return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def _broadcast_buffers(self):
-        for dtype in {b.dtype for b in self.buffers}:  # one broadcast per dtype, booked apart from Ψ
+        for dtype in sorted({b.dtype for b in self.buffers}, key=str):  # one per dtype, apart from Ψ
             group = [b for b in self.buffers if b.dtype == dtype]
             flat = broadcast(torch.cat([b.reshape(-1) for b in group]), self.comm, kind="buffers")
             for b, x in zip(group, flat.split([b.numel() for b in group])):
                 b.copy_(x.view(b.shape))
-
-    def _cast(self, x):
-        """Float tensors to the compute dtype, also inside tuples, lists and dicts."""
-        if torch.is_tensor(x):
-            return x.to(self.dtype) if x.is_floating_point() else x
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-            return type(x)(*map(self._cast, x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(map(self._cast, x))
-        if isinstance(x, dict):
-            return type(x)((k, self._cast(v)) for k, v in x.items())
-        return x
 
     # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next
 
@@ -181,7 +172,9 @@ class Engine:
         """Start the unit's all-gather (unless one is in flight), into memory allocated
         here, on the compute stream, so that reusing it is ordered after its last reader."""
         if u.pending is None:
+            self._log(u, 0)
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
+            u.point(u.flat)  # (after gathered() they still view what it held)
             u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
         return u.pending
 
@@ -215,7 +208,8 @@ class Engine:
         all-gathers them into a buffer of their own (kind "gathered"), which lives on while
         anything still views it. With writable=True, on exit rank 0's values win: they are
         broadcast and written into every rank's fp32 master (and stage 3's shard), so every
-        rank trains on what rank 0 wrote. DeepSpeed: GatheredParameters; FSDP: summon_full_params."""
+        rank trains on what rank 0 wrote. DeepSpeed: GatheredParameters; FSDP: summon_full_params.
+        Outside it, at stage 3, reading a parameter raises (see minizero.ShardedParameter)."""
         want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
         units = [u for u in self.units if want is None or any(id(p) in want for p in u.params)]
         self._drain()
@@ -236,10 +230,9 @@ class Engine:
                 full = u.flat if u.held is None else u.held
                 if writable:
                     self._write_master(u, broadcast(full, self.comm, kind="gathered"))
-                if u.held is not None:
-                    u.point(u.flat)
-                    u.mark(released=True)
-                    u.held = None
+                if u.held is not None:  # the params keep viewing what was held, so a backward
+                    u.mark(released=True)  # through a loss read in here still finds the values;
+                    u.held = None          # the next gather points them at flat again
 
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
@@ -274,7 +267,20 @@ class Engine:
         u.arrived.add(i)
         u.used[i] = True
         if len(u.arrived) == len(u.params):
-            self._reduce(u)
+            u.ready = True
+            self._reduce_ready()
+
+    def _reduce_ready(self):
+        """Start the reductions of the ready units, in self.order. The order is the same on
+        every rank, so collectives pair up even where ranks finish units in other orders
+        (a branch that some ranks skip): a unit ready early waits, as DDP's buckets do."""
+        while self.next < len(self.order) and self.order[self.next].ready:
+            self._reduce(self.order[self.next])
+            self.next += 1
+
+    def _log(self, u, what):
+        """Fold (unit, gather or reduce) into this rank's trace, compared across ranks at step()."""
+        self.trace = (self.trace * 1_000_003 + 2 * self.units.index(u) + what + 1) % 2 ** 52
 
     def _reduce(self, u):
         """Reduce the unit's gradient on the communication thread; what each rank keeps
@@ -285,6 +291,7 @@ class Engine:
             bucket[o:o + u.params[i].numel()].zero_()
         local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
+        self._log(u, 1)
         self.finite &= torch.isfinite(local).all()  # which rank's own gradient went bad
 
         def job():
@@ -305,15 +312,16 @@ class Engine:
             raise RuntimeError(f"backward() called {self.micro + 1} times since the last step() "
                                f"with grad_accum={self.grad_accum}; call engine.step()")
         for u in self.units:
-            u.flushed = False
+            u.ready = u.flushed = False
+        self.next = 0
         self.in_backward = True
         try:
             (loss.float() * (self.scale / self.grad_accum)).backward()
         finally:
             self.in_backward = False
         for u in self.units:  # units whose parameters were not all used: reduce them now
-            if not u.flushed:
-                self._reduce(u)
+            u.ready = True
+        self._reduce_ready()
         self._drain()
         if self.sharded["params"]:
             self._release_all()
@@ -356,14 +364,24 @@ class Engine:
         return True
 
     def _agree(self):
-        """One small collective per step (kind "flags", booked apart from Ψ): which
-        parameters got a gradient on any rank in any micro-batch (DDP's unused-parameter
-        rule), and whether any gradient went non-finite, in a rank's own gradient or in
-        the sum. Returns None if all is finite, else the ranks whose own gradient was not."""
-        mine = [float(not self.finite), float(any(not torch.isfinite(u.reduced).all() for u in self.units))]
+        """One small collective per step (kind "flags", booked apart from Ψ): whether every
+        rank gathered and reduced the same units (else their collectives paired wrongly);
+        which parameters got a gradient on any rank in any micro-batch (DDP's unused-parameter
+        rule); whether any gradient went non-finite, in a rank's own gradient or in the sum.
+        Returns None if all is finite, else the ranks whose own gradient was not."""
+        mine = [float(self.trace), float(not self.finite),
+                float(any(not torch.isfinite(u.reduced).all() for u in self.units))]
         mine += [float(x) for u in self.units for x in u.used]
-        flags = all_gather(torch.tensor(mine, device=self.device), self.comm, kind="flags")
-        flags = flags.view(self.comm.world_size, -1).cpu()
+        flags = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.comm, kind="flags")
+        flags, self.trace = flags.view(self.comm.world_size, -1).cpu(), 0
+        if (flags[:, 0] != flags[0, 0]).any():
+            self._drop_grads()
+            raise RuntimeError(
+                f"step {self.t + 1}: the ranks gathered or reduced different units, so their collectives paired "
+                f"up wrongly and nothing was updated. At stage 3 each rank gathers the units its forward runs: "
+                f"a module that only some ranks run (an MoE expert, a branch) must share a unit with modules "
+                f"every rank runs (units=[...], e.g. a whole MoE layer as one unit), or use stage 0-2")
+        flags = flags[:, 1:]
         used = iter(flags[:, 2:].amax(0).bool().tolist())
         for u in self.units:
             u.used = [next(used) for _ in u.params]

@@ -25,6 +25,7 @@ gives the same bits as updating the whole buffer. Hence every stage is bit-ident
 DDP. DESIGN.md has the whole argument.
 """
 import argparse
+import dataclasses
 import hashlib
 import math
 import resource
@@ -41,10 +42,13 @@ from ops import all_gather, all_reduce, broadcast, reduce_scatter
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def __getattr__(name):  # minizero.Engine: imported on first use, since engine.py imports this file
+def __getattr__(name):  # minizero.Engine and minizero.check, imported on first use (they import this file)
     if name == "Engine":
         from engine import Engine
         return Engine
+    if name == "check":
+        from check import check
+        return check
     raise AttributeError(f"module 'minizero' has no attribute {name!r}")
 
 
@@ -128,6 +132,7 @@ class Unit:
             if sharded["grads"] else None           # the reduced gradient shard, summed over micro-batches
         self.full_grad = None                       # stage 0: the reduced gradient, all-gathered
         self.arrived = set()                        # parameters whose gradient came in this micro-batch
+        self.ready = False                          # its local gradient is complete (this micro-batch)
         self.flushed = False                        # reduce-scattered in this micro-batch?
         self.pending = None                         # stage 3: the gather in flight or done, or None
         self.held = None                            # stage 3, in engine.gathered(): the params read there
@@ -298,7 +303,7 @@ def release_params(flat):
 
 
 def tensors(x):
-    """Every tensor in x, also inside tuples, lists and dicts."""
+    """Every tensor in x, also inside tuples, lists, dicts and dataclasses (model outputs)."""
     if torch.is_tensor(x):
         yield x
     elif isinstance(x, (tuple, list)):
@@ -307,6 +312,22 @@ def tensors(x):
     elif isinstance(x, dict):
         for y in x.values():
             yield from tensors(y)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from tensors(getattr(x, f.name))
+
+
+def cast_floats(x, dtype):
+    """x with every float tensor in dtype, also inside tuples, lists and dicts."""
+    if torch.is_tensor(x):
+        return x.to(dtype) if x.is_floating_point() else x
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(cast_floats(y, dtype) for y in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(cast_floats(y, dtype) for y in x)
+    if isinstance(x, dict):
+        return type(x)((k, cast_floats(v, dtype)) for k, v in x.items())
+    return x
 
 
 _T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
@@ -406,6 +427,9 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None):
 
 
 def main(argv):
+    if argv[:1] == ["check"]:  # python minizero.py check FILE.py: the proof on your model (check.py)
+        from check import main as check_main
+        sys.exit(check_main(argv[1:]))
     if argv[:1] == ["consolidate"]:
         if len(argv) != 3:
             sys.exit("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")

@@ -1,0 +1,462 @@
+"""
+minizero.check: the equivalence proof as a tool you run on your own model.
+
+    report = minizero.check(make_model, make_batch, world_sizes=(1, 2, 3, 4), steps=3, lr=1e-3)
+    print(report)             # a row per (world size, stage)
+    assert report.ok, report.first
+
+    python minizero.py check my_model.py --world-sizes 1,2,4 --dtype bf16
+
+It trains your model under DDP (stage 0) and under ZeRO stages 1-3 on each world size
+(ranks are threads, or gloo processes), from the same initial values on the same
+batches, and checks, step by step and micro-batch by micro-batch:
+
+  grads    every stage's reduced gradient shard equals stage 0's, to the bit, on every rank
+  params   every stage's parameters and buffers equal stage 0's after every step, to the bit
+  ranks    every rank holds what rank 0 holds
+  memory   Engine.memory() equals the formula (and no stage keeps more than it says)
+  bytes    the bytes each rank sends equal the formula
+  referee  stage 0 against torch itself: torch's gradient at the engine's parameters
+           (every rank's micro-batches, loss averaged over ranks), within a tolerance of
+           the sum of |contributions|; and torch.optim.AdamW driven by the engine's own
+           gradient. Split this way neither half amplifies rounding (Adam turns noise in a
+           near-zero gradient into a whole step), so a float tolerance means something;
+           it is reported and can be set.
+
+Any difference between stages is a finding: the stages are equal by construction
+(DESIGN.md). report.first names where they first part: step, micro-batch, world size,
+stage, rank, parameter, element, both values, and the difference in ULPs.
+"""
+import copy
+import importlib
+import os
+import pickle
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import ops
+from engine import Engine
+from minizero import cast_floats
+
+KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the sum of |parts|
+UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engine's own gradient
+
+
+@dataclass
+class Divergence:
+    """Where two runs first part."""
+    what: str            # grads | params | ranks | memory | bytes | referee-grads | referee-update | error
+    world_size: int
+    stage: int
+    step: int
+    micro: Optional[int]  # the micro-batch, for grads
+    rank: int
+    name: str            # the parameter (or buffer, "padding", a memory or ledger category)
+    index: int           # the first differing element, inside that parameter
+    ours: float
+    theirs: float        # stage 0's, rank 0's, torch's or the formula's value
+    max_abs: float       # over the whole tensor
+    max_ulp: int
+
+    def __str__(self):
+        against = {"grads": "stage 0", "params": "stage 0", "ranks": "rank 0", "memory": "the formula",
+                   "bytes": "the formula", "error": ""}.get(self.what, "torch")
+        where = f"step {self.step}" + (f", micro-batch {self.micro}" if self.micro is not None else "")
+        if self.what == "error":
+            return f"world size {self.world_size}, stage {self.stage}: {self.name}"
+        return (f"{self.what} differ at {where}, world size {self.world_size}, stage {self.stage}, "
+                f"rank {self.rank}: {self.name}[{self.index}] is {self.ours!r} here, {self.theirs!r} in "
+                f"{against} (max abs diff {self.max_abs:.3g}, {self.max_ulp} ULP)")
+
+
+@dataclass
+class Row:
+    world_size: int
+    stage: int
+    max_diff: float = 0.0           # largest |difference| from stage 0, grads and params (0: the same bits)
+    referee: Optional[tuple] = None  # stage 0: (gradient diff / sum of |parts|, update diff / (|p| + lr))
+    memory_ok: bool = True
+    bytes_ok: bool = True
+    seconds: float = 0.0
+    first: Optional[Divergence] = None
+
+
+@dataclass
+class Report:
+    rows: list = field(default_factory=list)
+    tol: tuple = (None, UPDATE_TOL)  # the referee's tolerances (gradient, update)
+
+    @property
+    def ok(self):
+        return all(r.first is None for r in self.rows)
+
+    @property
+    def first(self):
+        found = [r.first for r in self.rows if r.first is not None]  # stage against stage first: the sharper finding
+        return min(found, key=lambda d: (d.what.startswith("referee"), d.step, d.micro or 0, d.world_size, d.stage,
+                                         d.rank), default=None)
+
+    def __str__(self):
+        mark = lambda good: "ok" if good else "DIFFERS"  # noqa: E731
+        lines = [f"{'world':>5} {'stage':>5}  {'vs stage 0':>11}  {'referee grad':>12} {'update':>9}  "
+                 f"{'memory':>7} {'bytes':>7} {'seconds':>8}"]
+        for r in self.rows:
+            ref = f"{r.referee[0]:>12.2e} {r.referee[1]:>9.2e}" if r.referee else f"{'':>12} {'':>9}"
+            same = "same bits" if r.max_diff == 0 and (r.first is None or r.first.what not in ("grads", "params"))\
+                else f"{r.max_diff:.2e}"
+            lines.append(f"{r.world_size:>5} {r.stage:>5}  {same:>11}  {ref}  {mark(r.memory_ok):>7} "
+                         f"{mark(r.bytes_ok):>7} {r.seconds:>8.2f}")
+        lines.append(f"referee tolerance: gradient {self.tol[0]:.0e} of the sum of |contributions|, update "
+                     f"{self.tol[1]:.0e} of |param| + lr")
+        lines.append("all stages agree" if self.ok else f"first divergence: {self.first}")
+        return "\n".join(lines)
+
+
+def default_loss(model, batch):
+    """Call the model with the batch; the loss is the output if it is a scalar, else
+    out.loss, out["loss"], or the first scalar tensor in a tuple or list output."""
+    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (tuple, list)) \
+        else model(batch)
+    if torch.is_tensor(out) and out.dim() == 0:
+        return out
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    if isinstance(out, dict) and torch.is_tensor(out.get("loss")):
+        return out["loss"]
+    for x in out if isinstance(out, (tuple, list)) else ():
+        if torch.is_tensor(x) and x.dim() == 0:
+            return x
+    raise ValueError(f"found no scalar loss in the model's output ({type(out).__name__}); pass loss_fn=")
+
+
+def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
+          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, **engine_kw):
+    """Run the model under every stage and world size and compare (see the module's
+    docstring). make_model() builds the model, once: every rank and stage starts from
+    it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
+    arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
+    grad_accum, clip, ...; units may be a function of the model). processes=True runs
+    gloo processes: then the callables must be importable."""
+    if 0 not in stages:
+        stages = (0, *stages)  # everything is compared with stage 0
+    if processes:
+        try:
+            pickle.dumps((make_model, make_batch, loss_fn, engine_kw))
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine options to "
+                             f"each rank, so they must be importable functions, not lambdas or locals: {e}")
+    model = make_model()
+    dtype = engine_kw.get("dtype", torch.float32)
+    report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
+    spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss, steps=steps,
+                jitter=jitter, engine_kw=engine_kw, state={k: v.clone() for k, v in model.state_dict().items()})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
+    try:
+        for n in world_sizes:
+            runs = {}
+            for s in sorted(stages):
+                t0 = time.perf_counter()
+                row = Row(n, s)
+                try:
+                    if processes:
+                        runs[s] = ops.run_processes(_rank, n, s, spec, timeout=timeout)
+                    else:
+                        runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), timeout=timeout)
+                except RuntimeError as e:  # the model (or the engine on it) failed on some rank
+                    row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0], 0, 0, 0, 0, 0)
+                    report.rows.append(row)
+                    continue
+                row.seconds = time.perf_counter() - t0
+                _compare(row, runs[s], runs.get(0), n, s, dtype, {nm for nm, _ in model.named_buffers()})
+                if s == 0 and referee:
+                    _referee(row, model, runs[0], spec, n, report.tol)
+                report.rows.append(row)
+    finally:
+        torch.set_num_threads(threads)
+    return report
+
+
+# -----------------------------------------------------------------------------
+# one rank's run: what every comparison needs, recorded after every backward and step
+
+
+def _rank(comm, stage, spec):
+    if "model" in spec:  # threads: a copy of the one model
+        model = copy.deepcopy(spec["model"])
+    else:                # processes: build it, then take the parent's values
+        model = spec["make_model"]()
+        model.load_state_dict(spec["state"])
+    kw = dict(spec["engine_kw"])
+    if callable(kw.get("units")):
+        kw["units"] = kw["units"](model)
+    engine = Engine(model, comm, stage, **kw)
+    if spec["jitter"]:
+        _jitter(engine, random.Random(1000 * stage + comm.rank))
+    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size) for u in engine.units]
+    out = dict(layout=layout, formula=engine.formula(), numel=engine.numel(), grad_accum=engine.grad_accum,
+               initial=engine.full_state_dict(), hist=[])
+    for step in range(spec["steps"]):
+        before, grads, kept = dict(comm.sent), [], []
+        for micro in range(engine.grad_accum):
+            batch = spec["make_batch"](step, comm.rank, micro)
+            engine.backward(spec["loss_fn"](model, batch))
+            grads.append([u.reduced.clone() for u in engine.units])
+            kept.append(_kept_too_much(engine))
+        scale, steps_before = engine.scale, [list(u.steps) for u in engine.units]
+        stepped = engine.step()
+        sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
+        kept.append(_kept_too_much(engine))
+        used = [[b > a for a, b in zip(x, u.steps)] for x, u in zip(steps_before, engine.units)]
+        out["hist"].append(dict(grads=grads, scale=scale, stepped=stepped, sent=sent, used=used,
+                                kept=next((k for k in kept if k), None), memory=engine.memory(),
+                                state=engine.full_state_dict()))
+    engine.close()
+    return out
+
+
+def _kept_too_much(engine):
+    """What a stage promises not to keep between its sync points, if it keeps it anyway."""
+    for u in engine.units:
+        if engine.sharded["grads"] and (u.local is not None or any(p.grad is not None for p in u.params)):
+            return f"a full gradient of {u.names[0]}'s unit survived backward"
+        if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
+            return f"{u.names[0]}'s unit stayed gathered"
+    return None
+
+
+def _jitter(engine, rng):
+    """Random delays before every communication job, as FSDP2's parity tests inject:
+    they change when bytes move, which must never change what they sum to."""
+    submit = engine._submit
+
+    def delayed(job):
+        pause = rng.uniform(0, 0.002)
+        return submit(lambda: (time.sleep(pause), job())[1])
+    engine._submit = delayed
+
+
+# -----------------------------------------------------------------------------
+# the comparisons
+
+
+def _compare(row, ranks, base, n, stage, dtype, buffers):
+    """Fill row: this stage against stage 0 (base), every rank's parameters against rank
+    0's (buffers follow rank 0's at the next forward, as in DDP), and the formulas."""
+    for step, h0 in enumerate(ranks[0]["hist"]):
+        for r, run in enumerate(ranks):
+            h, ref = run["hist"][step], base[r]["hist"][step] if base else None
+            found = []
+            if ref is not None:
+                for m, (mine, theirs) in enumerate(zip(h["grads"], ref["grads"])):
+                    for ui, (a, b) in enumerate(zip(mine, theirs)):
+                        found.append(_diff(row, "grads", a, b, run["layout"][ui], r, step, m, n, stage))
+                for name in h["state"]:
+                    found.append(_diff(row, "params", h["state"][name], ref["state"][name], name, r, step, None,
+                                       n, stage))
+            for name in h["state"].keys() - buffers:
+                found.append(_diff(None, "ranks", h["state"][name], h0["state"][name], name, r, step, None, n, stage))
+            if h["memory"] != run["formula"] or h["kept"]:
+                row.memory_ok = False
+                key = next((k for k in h["memory"] if h["memory"][k] != run["formula"][k]), h["kept"])
+                found.append(Divergence("memory", n, stage, step, None, r, key, 0, h["memory"].get(key, 0),
+                                        run["formula"].get(key, 0), 0, 0))
+            expect = _bytes(run, n, stage, dtype, h["stepped"])
+            if h["sent"] != expect:
+                row.bytes_ok = False
+                key = next(k for k in KEPT if h["sent"][k] != expect[k])
+                found.append(Divergence("bytes", n, stage, step, None, r, key, 0, h["sent"][key], expect[key], 0, 0))
+            if row.first is None:
+                row.first = next((d for d in found if d is not None), None)
+
+
+def _bytes(run, n, stage, dtype, stepped):
+    import minizero
+    expect = minizero.comm_bytes_per_step(run["numel"], n, stage, dtype, run["grad_accum"])
+    if not stepped and stage in (1, 2):  # a skipped step gathers no params (stage 0 gathered its grads)
+        expect["all_gather"] = 0
+    return {k: expect.get(k, 0) for k in KEPT}
+
+
+def _diff(row, what, a, b, where, rank, step, micro, n, stage):
+    """None if a and b are the same bits; else a Divergence at their first difference.
+    where is a parameter's name, or a unit's layout (names, offsets, sizes, shard size)."""
+    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and not torch.isnan(a).any() \
+            or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num())
+                and torch.equal(a.isnan(), b.isnan())):
+        return None
+    x, y = a.double().reshape(-1), b.double().reshape(-1)
+    bad = ((x != y) & ~(x.isnan() & y.isnan())).nonzero()
+    i = int(bad[0]) if len(bad) else 0
+    gap = (x - y).abs().nan_to_num(float("inf"))
+    if row is not None:
+        row.max_diff = max(row.max_diff, float(gap.max()))
+    name, index = where, i
+    if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
+        names, offsets, sizes, s = where
+        g = rank * s + i
+        name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
+                           ("padding", g))
+    return Divergence(what, n, stage, step, micro, rank, name, index, float(x[i]), float(y[i]),
+                      float(gap.max()), _ulps(a, b))
+
+
+def _ulps(a, b):
+    """The largest distance in units of last place between a and b (same dtype)."""
+    if not a.is_floating_point() or a.dtype != b.dtype:
+        return 0
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    def ordered(t):  # floats' bit patterns, made monotonic in value
+        i = t.contiguous().view(ints).long()
+        return torch.where(i < 0, -(i & (2 ** (8 * a.element_size() - 1) - 1)), i)
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+def _referee(row, model, ranks, spec, n, tol):
+    """Stage 0 against torch, step by step. Gradient: torch's at the engine's parameters
+    before the step, over every rank's micro-batches with the loss averaged as the engine
+    averages it. Update: torch.optim.AdamW given the engine's own mean gradient."""
+    kw, run = spec["engine_kw"], ranks[0]
+    dtype = kw.get("dtype", torch.float32)  # torch's gradient in the engine's compute dtype
+    grad_model, upd_model = copy.deepcopy(model).to(dtype), copy.deepcopy(model).float()
+    grad_model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    upd_model.load_state_dict(run["initial"])
+    names = [nm for names, *_ in run["layout"] for nm in names]
+    decay = kw.get("decay")
+    params = [upd_model.get_parameter(nm) for nm in names]
+    groups = [{"params": [p for nm, p in zip(names, params) if decay is None or decay(nm, p)]},
+              {"params": [p for nm, p in zip(names, params) if not (decay is None or decay(nm, p))],
+               "weight_decay": 0.0}]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=kw.get("lr", 1e-3),
+                            betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
+                            weight_decay=kw.get("weight_decay", 0.0))
+    worst = [0.0, 0.0]
+    state = run["initial"]
+    for step, h in enumerate(run["hist"]):
+        if h["stepped"]:
+            mean = _engine_grad(ranks, step, n)
+            grad_model.load_state_dict(state)
+            total, size = _torch_grad(grad_model, names, spec, step, n, run["grad_accum"], h["scale"])
+            for nm, used in zip(names, [x for u in h["used"] for x in u]):
+                rel = float((mean[nm] - total[nm]).abs().max()) / (float(size[nm].max()) + 1e-30) \
+                    if total[nm].numel() else 0.0
+                worst[0] = max(worst[0], rel)
+                if rel > tol[0] and row.first is None:
+                    row.first = _referee_divergence("referee-grads", mean[nm], total[nm], nm, step, n)
+                upd_model.get_parameter(nm).grad = mean[nm].clone() if used else None
+            if kw.get("clip") is not None:
+                torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], kw["clip"])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            for nm, p in zip(names, params):
+                ours = h["state"][nm]
+                err = float(((ours - p.detach()).abs() / (p.detach().abs() + kw.get("lr", 1e-3))).max())
+                worst[1] = max(worst[1], err)
+                if err > tol[1] and row.first is None:
+                    row.first = _referee_divergence("referee-update", ours, p.detach(), nm, step, n)
+        state = h["state"]
+    row.referee = tuple(worst)
+
+
+def _torch_grad(model, names, spec, step, n, accum, scale):
+    """torch's mean gradient, computed as the engine computes it: one backward per rank
+    and micro-batch, each loss times scale/accum in the compute dtype, summed in fp32,
+    then divided by N·scale. Also the sum of |contributions|: the scale of its rounding."""
+    total = {nm: torch.zeros_like(model.get_parameter(nm), dtype=torch.float32) for nm in names}
+    size = {nm: torch.zeros_like(t) for nm, t in total.items()}
+    for r in range(n):
+        for k in range(accum):
+            model.zero_grad(set_to_none=True)
+            (spec["loss_fn"](model, spec["make_batch"](step, r, k)).float() * (scale / accum)).backward()
+            for nm in names:
+                g = model.get_parameter(nm).grad
+                if g is not None:
+                    total[nm] += g.float()
+                    size[nm] += g.float().abs()
+    return ({nm: t / (n * scale) for nm, t in total.items()}, {nm: t / (n * scale) for nm, t in size.items()})
+
+
+def _cast_inputs(dtype):  # as the engine casts its model's inputs
+    return lambda module, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype))
+
+
+def _engine_grad(ranks, step, n):
+    """Stage 0's mean gradient of a step, per parameter name: every rank's reduced shard
+    after the last micro-batch, concatenated, times 1/(N · loss scale)."""
+    out, h = {}, ranks[0]["hist"][step]
+    for ui, (names, offsets, sizes, _) in enumerate(ranks[0]["layout"]):
+        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(n)]).float() / (n * h["scale"])
+        for nm, o, k in zip(names, offsets, sizes):
+            out[nm] = full[o:o + k].view(h["state"][nm].shape)
+    return out
+
+
+def _referee_divergence(what, ours, theirs, name, step, n):
+    x, y = ours.double().reshape(-1), theirs.double().reshape(-1)
+    i = int((x - y).abs().argmax())
+    return Divergence(what, n, 0, step, None, 0, name, i, float(x[i]), float(y[i]), float((x - y).abs().max()),
+                      _ulps(ours.float(), theirs.float()))
+
+
+# -----------------------------------------------------------------------------
+# the command line: python minizero.py check FILE.py [...]
+
+
+def main(argv):
+    """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python minizero.py check", description=__doc__.split("\n\n")[0])
+    ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
+                                 "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument("--world-sizes", type=ints, default=(1, 2, 3, 4))
+    ap.add_argument("--stages", type=ints, default=(0, 1, 2, 3))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
+    ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
+    a = ap.parse_args(argv)
+    try:
+        user = _load(a.file)
+        kw = dict(getattr(user, "ENGINE", {}))
+        if a.dtype:
+            kw["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
+        if a.grad_accum:
+            kw["grad_accum"] = a.grad_accum
+        if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
+            raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
+        t0 = time.perf_counter()
+        report = check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
+                       world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
+                       jitter=a.jitter, **kw)
+    except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
+        print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    print(f"{time.perf_counter() - t0:.1f} s")
+    errors = [r.first for r in report.rows if r.first is not None and r.first.what == "error"]
+    if errors:
+        print(f"check: {a.file}: the model failed to run: {errors[0].name}", file=sys.stderr)
+        return 2
+    return 0 if report.ok else 1
+
+
+def _load(path):
+    """Import FILE.py as a module by its name (so that processes can import it too)."""
+    if not os.path.isfile(path):
+        raise OSError(f"no such file {path}")
+    folder, name = os.path.split(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    sys.modules.pop(os.path.splitext(name)[0], None)  # another file of that name may be loaded
+    module = importlib.import_module(os.path.splitext(name)[0])
+    for fn in ("make_model", "make_batch"):
+        if not callable(getattr(module, fn, None)):
+            raise AttributeError(f"it defines no function {fn}(); see example_check.py")
+    return module

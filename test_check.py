@@ -1,0 +1,190 @@
+"""
+minizero.check must find bugs, and name the right place: a model that is not
+deterministic, engine bugs planted by monkeypatching (one stage's decay, one rank's
+micro-batch, and the four stage-0 bugs its torch referee exists for), ranks whose
+models drift apart; and its command line answers 0, 1 or 2.
+"""
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import check
+import engine
+import minizero
+
+torch.set_num_threads(1)
+
+
+class Small(nn.Module):
+    """Embedding -> two tanh layers (units) -> head; a scalar `gate` on the side, whose
+    gradient nothing else depends on; optionally a BatchNorm (buffers), and an embedding
+    that renormalizes, in place, the rows its forward looks up (max_norm)."""
+
+    def __init__(self, noisy=False, bn=False, max_norm=None):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6, max_norm=max_norm)
+        self.layers = nn.ModuleList([nn.Linear(6, 6), nn.Linear(6, 6)])
+        self.bn = nn.BatchNorm1d(6) if bn else None
+        self.head = nn.Linear(6, 11)
+        self.gate = nn.Parameter(torch.ones(()))
+        self.noisy = noisy
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        if self.bn is not None:
+            h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        loss = F.cross_entropy(self.head(h).flatten(0, 1).float(), y.flatten())
+        # the global RNG: threads of every stage draw from it in turn, so no two runs agree
+        noise = torch.rand(()) if self.noisy else torch.ones(())
+        return loss + (self.gate * noise).float()
+
+
+def make_model(**kw):
+    torch.manual_seed(3)
+    return Small(**kw)
+
+
+def make_batch(step, rank, micro):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randint(0, 11, (3, 4), generator=g), torch.randint(0, 11, (3, 4), generator=g)
+
+
+KW = dict(lr=0.02, weight_decay=0.1, clip=0.5, eps=1e-3)
+
+
+def run(world_sizes=(3,), stages=(0, 1, 2, 3), model=None, **kw):
+    return minizero.check(lambda: make_model(**(model or {})), make_batch, world_sizes=world_sizes,
+                          stages=stages, steps=2, **{**KW, **kw})
+
+
+def test_a_correct_engine_passes():
+    report = run(world_sizes=(1, 3), grad_accum=2)
+    assert report.ok, report.first
+    assert all(r.max_diff == 0 for r in report.rows) and "all stages agree" in str(report)
+
+
+def test_a_model_that_draws_from_the_global_rng():
+    first = run(model=dict(noisy=True)).first
+    assert (first.what, first.step, first.micro, first.stage, first.name) == ("grads", 0, 0, 1, "gate")
+    assert first.ours != first.theirs and first.max_ulp > 0
+
+
+def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
+    real = engine.zero_update
+
+    def decays_twice(master, m, v, reduced, pieces, hp, comm, flat, shard):
+        if shard is not None:  # stage 3 only
+            master.mul_(1 - hp.lr * hp.weight_decay)
+        return real(master, m, v, reduced, pieces, hp, comm, flat, shard)
+    monkeypatch.setattr(engine, "zero_update", decays_twice)
+    report = run()
+    first = report.first
+    assert (first.what, first.step, first.stage, first.name) == ("params", 0, 3, "gate")  # the root's own, first
+    assert [r.first is None for r in report.rows] == [True, True, True, False]
+
+
+def test_a_micro_batch_skipped_on_one_rank(monkeypatch):
+    real = engine.Engine._reduce
+
+    def forgets(self, u):
+        if self.stage == 2 and self.comm.rank == 1 and self.micro == 1:
+            self._bucket(u).zero_()  # rank 1's second micro-batch never reaches the sum
+        return real(self, u)
+    monkeypatch.setattr(engine.Engine, "_reduce", forgets)
+    first = run(grad_accum=2).first
+    assert (first.what, first.step, first.micro, first.stage, first.rank) == ("grads", 0, 1, 2, 0)
+    assert first.name == "gate"  # rank 0 owns the first chunk of the root unit, which starts with its own gate
+
+
+def test_ranks_that_drift_apart():
+    """nn.Embedding(max_norm=...) rescales, in place, the rows each rank's batch looks up:
+    under DDP every rank then holds other weights (and stage 3 renorms a copy it drops)."""
+    first = run(model=dict(max_norm=0.5)).first
+    assert (first.what, first.step, first.stage, first.rank, first.name) == ("ranks", 0, 0, 1, "emb.weight")
+
+
+def test_batchnorm_agrees_with_the_buffer_broadcast():
+    assert run(model=dict(bn=True)).ok  # rank 0's running stats, broadcast before every forward
+
+
+# the bugs the torch referee exists for: each leaves the stages equal (they share the code)
+# but moves stage 0 away from torch
+
+
+def no_mean_over_ranks(monkeypatch):
+    real = engine.Hyper
+    monkeypatch.setattr(engine, "Hyper", lambda lr, betas, eps, wd, unscale, coef:
+                        real(lr, betas, eps, wd, unscale * 3, coef))
+
+
+def decay_twice(monkeypatch):
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay:
+                        real(p.mul_(decay), g, m, v, t, lr, b1, b2, eps, decay))
+
+
+def clip_on_the_squared_norm(monkeypatch):
+    real = minizero.all_gather
+    monkeypatch.setattr(minizero, "all_gather", lambda x, comm, out=None, kind="all_gather":
+                        real(x * x if kind == "clip" else x, comm, out, kind))
+
+
+def no_bias_correction(monkeypatch):
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay:
+                        real(p, g, m, v, 1e9, lr, b1, b2, eps, decay))
+
+
+@pytest.mark.parametrize("plant", [no_mean_over_ranks, decay_twice, clip_on_the_squared_norm, no_bias_correction])
+def test_the_referee_finds_stage_0_bugs(monkeypatch, plant):
+    plant(monkeypatch)
+    report = run(stages=(0,), clip=0.05)  # a clip that bites, so its norm matters
+    assert report.first is not None and report.first.what.startswith("referee"), report
+    assert report.first.stage == 0 and report.first.name in dict(make_model().named_parameters())
+
+
+# -----------------------------------------------------------------------------
+# the command line
+
+
+def write(tmp_path, body):
+    path = tmp_path / "user_model.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+USER = """
+    import torch, torch.nn as nn
+    def make_model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    def make_batch(step, rank, micro):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        return (torch.randn(5, 4, generator=g),)
+    def loss_fn(model, batch):
+        return model(*batch).pow(2).mean() {extra}
+    ENGINE = dict(lr=0.01)
+"""
+
+
+@pytest.mark.parametrize("extra, code", [("", 0), ("* (1 + torch.rand(()))", 1)])
+def test_cli_exit_status(tmp_path, capsys, extra, code):
+    path = write(tmp_path, USER.format(extra=extra))
+    assert check.main([path, "--world-sizes", "1,2", "--steps", "2"]) == code
+    out = capsys.readouterr().out
+    assert ("all stages agree" in out) == (code == 0) and ("first divergence: grads differ" in out) == (code == 1)
+
+
+@pytest.mark.parametrize("body, says", [
+    ("import torch\ndef make_model(): return torch.nn.Linear(2, 2)\n", "no function make_batch()"),
+    (USER.format(extra="+ undefined_name"), "the model failed to run"),
+])
+def test_cli_bad_input_is_one_line_and_2(tmp_path, capsys, body, says):
+    assert check.main([write(tmp_path, body), "--world-sizes", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1
