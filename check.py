@@ -12,7 +12,8 @@ It trains your model under DDP (stage 0) and under ZeRO stages 1-3 on each world
 batches, and checks, step by step and micro-batch by micro-batch:
 
   grads    every stage's reduced gradient shard equals stage 0's, to the bit, on every rank
-  params   every stage's parameters and buffers equal stage 0's after every step, to the bit
+  params   every stage's parameters and buffers equal stage 0's after every step, to the bit:
+           the fp32 state, and the 16-bit params forward reads (stage 3: its shard)
   ranks    every rank holds what rank 0 holds
   memory   Engine.memory() equals the formula (and no stage keeps more than it says)
   bytes    the bytes each rank sends equal the formula
@@ -214,7 +215,8 @@ def _rank(comm, stage, spec):
         sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
         kept.append(_kept_too_much(engine))
         used = [[b > a for a, b in zip(x, u.steps)] for x, u in zip(steps_before, engine.units)]
-        out["hist"].append(dict(grads=grads, scale=scale, stepped=stepped, sent=sent, used=used,
+        live = [(u.flat if u.shard is None else u.shard).clone() for u in engine.units]  # the 16-bit params
+        out["hist"].append(dict(grads=grads, live=live, scale=scale, stepped=stepped, sent=sent, used=used,
                                 kept=next((k for k in kept if k), None), memory=engine.memory(),
                                 state=engine.full_state_dict()))
     engine.close()
@@ -260,6 +262,13 @@ def _compare(row, ranks, base, n, stage, dtype, buffers):
                 for name in h["state"]:
                     found.append(_diff(row, "params", h["state"][name], ref["state"][name], name, r, step, None,
                                        n, stage))
+                for ui, (a, b) in enumerate(zip(h["live"], ref["live"])):  # the params forward reads
+                    names, offsets, sizes, s = run["layout"][ui]
+                    if a.numel() < b.numel():  # stage 3's shard: against chunk r of stage 0's
+                        b = b.view(n, -1)[r]
+                    else:                      # whole buffers: element i is element i
+                        s = 0
+                    found.append(_diff(row, "params", a, b, (names, offsets, sizes, s), r, step, None, n, stage))
             for name in h["state"].keys() - buffers:
                 found.append(_diff(None, "ranks", h["state"][name], h0["state"][name], name, r, step, None, n, stage))
             if h["memory"] != run["formula"] or h["kept"]:

@@ -88,6 +88,21 @@ def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
     assert [r.first is None for r in report.rows] == [True, True, True, False]
 
 
+def test_a_wrong_param_all_gather_on_stages_1_and_2(monkeypatch):
+    """The fp32 master is right, the 16-bit params forward reads are not: found at once."""
+    real = engine.zero_update
+
+    def gathers_wrong(master, m, v, reduced, pieces, hp, comm, flat, shard):
+        real(master, m, v, reduced, pieces, hp, comm, flat, shard)
+        if shard is None:
+            flat[-1] += 1.0  # each unit's last element; the root's is head.bias[10]
+    monkeypatch.setattr(engine, "zero_update", gathers_wrong)
+    report = run(stages=(0, 1, 2), dtype=torch.bfloat16)  # (in fp32 the master is flat itself)
+    first = report.first
+    assert (first.what, first.step, first.stage, first.name, first.index) == ("params", 0, 1, "head.bias", 10)
+    assert [r.first is None for r in report.rows] == [True, False, False]
+
+
 def test_a_micro_batch_skipped_on_one_rank(monkeypatch):
     real = engine.Engine._reduce
 

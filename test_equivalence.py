@@ -1,12 +1,15 @@
 """
 The proof: ZeRO stages 1, 2 and 3 give the same bits as stage 0 (DDP), on every rank,
-after every step; and stage 0 is what torch itself computes (single-process AdamW on the
-concatenated batch, and torch's DistributedDataParallel) to float tolerance.
+after every micro-batch and every step; and stage 0 is what torch itself computes. Each
+example is one call of minizero.check, the tool users run on their own models; this file
+draws the models and worlds it is run on.
 
 Hypothesis draws the model (depth, widths smaller than and not divisible by the world
-size, bias, a tied pair, a frozen layer), the world size, steps, gradient accumulation,
-clipping, learning rate, weight decay and compute dtype. Ranks are threads (ops.run_threads),
-so hundreds of examples run in seconds; a few fixed cases rerun on real gloo processes.
+size, bias, a tied pair, a frozen layer), the world size (1-5), steps, gradient
+accumulation, clipping, learning rate, weight decay, eps, compute dtype, overlap and
+random delays in the communication. Ranks are threads, so hundreds of examples run in
+seconds; a few fixed cases rerun on real gloo processes and must give the same bits,
+and stage 0 is held against torch's DistributedDataParallel there.
 """
 import copy
 
@@ -14,9 +17,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+import check
 import minizero
 import ops
 
@@ -48,7 +52,7 @@ class Net(nn.Module):
 
 
 @st.composite
-def cases(draw, dtypes=("fp32", "bf16", "fp16")):
+def cases(draw):
     world_size = draw(st.integers(1, 5))
     widths = draw(st.lists(st.integers(1, 9), min_size=2, max_size=5))
     tie = draw(st.booleans())
@@ -59,10 +63,11 @@ def cases(draw, dtypes=("fp32", "bf16", "fp16")):
              frozen=draw(st.none() | st.integers(0, len(widths) - 2)),
              steps=draw(st.integers(1, 4)), grad_accum=draw(st.integers(1, 3)),
              batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)),
-             dtype=DTYPES[draw(st.sampled_from(dtypes))])
+             dtype=DTYPES[draw(st.sampled_from(list(DTYPES)))], jitter=draw(st.booleans()))
+    # eps 1e-3 lets the referee see a missing mean over ranks (Adam is scale-invariant but for eps)
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
-                       clip=draw(st.none() | st.floats(0.01, 2.0)), grad_accum=c["grad_accum"], dtype=c["dtype"],
-                       overlap=draw(st.booleans()))
+                       eps=draw(st.sampled_from([1e-8, 1e-3])), clip=draw(st.none() | st.floats(0.01, 2.0)),
+                       grad_accum=c["grad_accum"], dtype=c["dtype"], overlap=draw(st.booleans()))
     return c
 
 
@@ -80,39 +85,11 @@ def make(c):
     return model, batches
 
 
-def assert_released(engine):
-    """Stage 3: no unit holds its gathered parameters between uses."""
-    for u in engine.units:
-        assert u.flat.untyped_storage().nbytes() == 0, "a stage-3 unit stayed gathered"
-
-
-def train(comm, stage, model, batches, engine_kw):
-    """One rank's run: returns, after every step, the fp32 state and the live params."""
-    model = copy.deepcopy(model)
-    engine = minizero.Engine(model, comm, stage, **engine_kw)
-    history = []
-    for micro_batches in batches:
-        before = dict(comm.sent)
-        for micro in micro_batches:
-            x, y = micro[comm.rank]
-            loss = model(x, y)
-            if stage == 3:
-                assert_released(engine)
-            engine.backward(loss)
-            if stage >= 2:  # no full gradient survives backward
-                assert all(u.local is None for u in engine.units)
-                assert all(p.grad is None for p in model.parameters())
-        stepped = engine.step()  # False: an fp16 overflow skipped it, on every rank
-        if stage == 3:
-            assert_released(engine)
-        sent = {k: comm.sent[k] - before.get(k, 0) for k in ("reduce_scatter", "all_gather")}
-        live = [t.clone() for t in (model.state_dict().values() if stage < 3 else [])]
-        history.append((engine.full_state_dict(), live, engine.memory(), sent, stepped))
-    return history, engine.formula(), engine.numel()
-
-
-def run_all_stages(c, model, batches, run=ops.run_threads):
-    return {s: run(train, c["world_size"], s, model, batches, c["engine"]) for s in range(4)}
+def run_check(c, **kw):
+    model, batches = make(c)
+    return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
+                          world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"],
+                          **{**c["engine"], **kw})
 
 
 def assert_same(a, b):
@@ -121,90 +98,62 @@ def assert_same(a, b):
         assert torch.equal(a[k], b[k]), k
 
 
-@settings(deadline=None)
 @given(cases())
-def test_stages_are_bit_identical_to_ddp(c):
-    model, batches = make(c)
-    runs = run_all_stages(c, model, batches)
-    reference = runs[0][0][0]  # stage 0, rank 0
-    for stage, ranks in runs.items():
-        for history, formula, numel in ranks:
-            for (state, live, memory, sent, stepped), (ref_state, ref_live, *_) in zip(history, reference):
-                assert_same(state, ref_state)                      # same fp32 state
-                assert all(torch.equal(a, b) for a, b in zip(live, ref_live))  # same live params
-                assert memory == formula                           # DESIGN.md's table, exactly
-                expect = minizero.comm_bytes_per_step(numel, c["world_size"], stage, c["dtype"], c["grad_accum"])
-                if not stepped and stage in (1, 2):  # a skipped step gathers no params (stage 0
-                    expect["all_gather"] = 0         # gathered its grads in backward, as DDP does)
-                assert sent == {k: expect.get(k, 0) for k in sent}
-
-
-@settings(deadline=None)
-@given(cases(dtypes=("fp32",)))
-def test_ddp_matches_torch_adamw(c):
-    """Stage 0 against torch itself: one process, the concatenated batch, torch.optim.AdamW.
-    Adam's first step is lr·g/(|g| + eps): a gradient that is zero up to rounding (a
-    LayerNorm of width 1, a saturated tanh) turns a different summation order's rounding
-    noise into a step of ±lr. eps = 1e-3 bounds that amplification at lr/eps, so a float
-    tolerance is meaningful (1e-3 of a step per step taken): the gradients here are mostly
-    far above eps, so a wrong mean, clip or decay moves a step by far more. A LayerNorm of
-    width 1 or 2 is degenerate (its normalized output is constant, ±1), so the last
-    width is at least 3."""
-    c["engine"]["eps"] = 1e-3
-    c["widths"][-1] = max(c["widths"][-1], 3)
-    if c["tie"]:
-        c["widths"][0] = c["widths"][-1]
-    model, batches = make(c)
-    ours = ops.run_threads(train, c["world_size"], 0, model, batches, c["engine"])[0][0]
-    ref = copy.deepcopy(model)
-    trainable = [p for p in ref.parameters() if p.requires_grad]
-    kw = c["engine"]
-    opt = torch.optim.AdamW(trainable, lr=kw["lr"], weight_decay=kw["weight_decay"], eps=1e-3)
-    for step, (micro_batches, (state, *_)) in enumerate(zip(batches, ours)):
-        x = torch.cat([x for micro in micro_batches for x, _ in micro])
-        y = torch.cat([y for micro in micro_batches for _, y in micro])
-        ref(x, y).backward()
-        if kw["clip"] is not None:
-            torch.nn.utils.clip_grad_norm_(trainable, kw["clip"])
-        opt.step()
-        opt.zero_grad()
-        for name, value in ref.state_dict().items():
-            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5 + 1e-3 * kw["lr"] * (step + 1))
-
-
-@pytest.mark.parametrize("stage", range(4))
-@pytest.mark.parametrize("overlap", [True, False])
-def test_native_path_agrees_with_the_ring(stage, overlap):
-    """torch's own collectives sum in an order of their own: equal to float tolerance,
-    with the same ledger (and, at stage 0 with one micro-batch, one native all-reduce)."""
-    for c in FIXED:
-        model, batches = make(c)
-        ring = ops.run_threads(train, c["world_size"], stage, model, batches, c["engine"])
-        native = ops.run_threads(train, c["world_size"], stage, model, batches,
-                               dict(c["engine"], native=True, overlap=overlap))
-        tol = 1e-5 if c["dtype"] == torch.float32 else 2e-2  # bf16: one rounding is 4e-3
-        for (a, _, mem_a, sent_a, _), (b, _, mem_b, sent_b, _) in zip(ring[1][0], native[1][0]):
-            assert mem_a == mem_b and sent_a == sent_b
-            for k in a:
-                torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol)
+def test_stages_are_bit_identical_to_ddp_and_ddp_is_torch(c):
+    """Every stage: reduced grads and params (fp32 and 16-bit) the same bits as stage 0
+    on every rank after every micro-batch and step; every rank as rank 0; memory and
+    bytes as the formulas; stage 0 as torch (gradient and AdamW update), in every dtype."""
+    report = run_check(c)
+    assert report.ok, f"\n{report}"
+    assert len(report.rows) == 4 and report.rows[0].referee is not None
 
 
 # -----------------------------------------------------------------------------
-# the same code on real processes (gloo), and torch's own DDP as a referee
+# fixed cases: torch's own collectives, and the same code on real processes (gloo)
 
 FIXED = [dict(world_size=3, vocab=7, widths=[5, 4, 5], bias=True, tie=True, frozen=None, steps=2,
-              grad_accum=2, batch=2, seq=3, seed=1, dtype=torch.float32),
+              grad_accum=2, batch=2, seq=3, seed=1, dtype=torch.float32, jitter=False),
          dict(world_size=3, vocab=5, widths=[3, 7, 2], bias=False, tie=False, frozen=0, steps=2,
-              grad_accum=1, batch=1, seq=4, seed=2, dtype=torch.bfloat16)]
+              grad_accum=1, batch=1, seq=4, seed=2, dtype=torch.bfloat16, jitter=False)]
 for c in FIXED:
     c["engine"] = dict(lr=0.05, weight_decay=0.1, clip=0.5, grad_accum=c["grad_accum"], dtype=c["dtype"])
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_native_collectives_keep_the_stages_equal(overlap):
+    """torch's own collectives sum in an order of their own, but the same order in every
+    stage: still the same bits across stages, and torch's answer at stage 0."""
+    for c in FIXED:
+        report = run_check(c, native=True, overlap=overlap)
+        assert report.ok, f"\n{report}"
+
+
+def test_check_on_processes():
+    c = FIXED[0]
+    report = minizero.check(_fixed_model, _fixed_batch, world_sizes=(2,), stages=(0, 3), steps=2,
+                            processes=True, **c["engine"])
+    assert report.ok, f"\n{report}"
+
+
+def _fixed_model():  # importable: processes build it themselves
+    return make(FIXED[0])[0]
+
+
+def _fixed_batch(step, rank, micro):
+    return make(dict(FIXED[0], world_size=2))[1][step][micro][rank]
+
+
 def gloo_world(comm):
-    """Everything the process tests need, in one spawned world."""
+    """Every stage of every fixed case (check's own per-rank run), and torch's DDP."""
     torch.set_num_threads(1)
-    ours = [[train(comm, s, *make(c), c["engine"]) for s in range(4)] for c in FIXED]
+    ours = [[check._rank(comm, s, _spec(c)) for s in range(4)] for c in FIXED]
     return ours, torch_ddp(comm, FIXED[0])
+
+
+def _spec(c):
+    model, batches = make(c)
+    return dict(model=model, make_batch=lambda step, rank, micro: batches[step][micro][rank],
+                loss_fn=check.default_loss, steps=c["steps"], jitter=False, engine_kw=c["engine"])
 
 
 def torch_ddp(comm, c):
@@ -237,20 +186,20 @@ def gloo_results():
 
 def test_processes_equal_threads_bit_for_bit(gloo_results):
     for i, c in enumerate(FIXED):
-        model, batches = make(c)
-        threads = run_all_stages(c, model, batches)
+        threads = {s: ops.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
         for rank, (ours, _) in enumerate(gloo_results):
-            for stage in range(4):
-                for (a, live_a, *_), (b, live_b, *_) in zip(ours[i][stage][0], threads[stage][rank][0]):
-                    assert_same(a, b)
-                    assert all(torch.equal(x, y) for x, y in zip(live_a, live_b))
+            for s in range(4):
+                for a, b in zip(ours[i][s]["hist"], threads[s][rank]["hist"]):
+                    assert_same(a["state"], b["state"])
+                    assert all(torch.equal(x, y) for x, y in zip(a["live"], b["live"]))
+                    assert all(torch.equal(x, y) for m, n in zip(a["grads"], b["grads"]) for x, y in zip(m, n))
 
 
 def test_ddp_matches_torch_ddp_on_gloo(gloo_results):
     for ours, theirs in gloo_results:
-        for (state, *_), ref in zip(ours[0][0][0], theirs):
+        for h, ref in zip(ours[0][0]["hist"], theirs):
             for name, value in ref.items():
-                torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(h["state"][name], value, rtol=1e-4, atol=1e-5)
 
 
 # -----------------------------------------------------------------------------
@@ -294,11 +243,10 @@ def test_tie_across_units():
     model, batches = make(c)
     model.layers[1].weight = model.layers[0].weight
     with pytest.raises(RuntimeError, match="layers.0.weight and layers.1.weight"):
-        ops.run_threads(train, 2, 3, model, batches, c["engine"])
-    runs = {s: ops.run_threads(train, 2, s, model, batches, c["engine"]) for s in range(3)}
-    for s in (1, 2):
-        for (a, *_), (b, *_) in zip(runs[s][1][0], runs[0][0][0]):
-            assert_same(a, b)
+        ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3), 2)
+    report = minizero.check(lambda: model, lambda s, r, m: batches[s][m][r], world_sizes=(2,), stages=(0, 1, 2),
+                            steps=2, **c["engine"])
+    assert report.ok, f"\n{report}"
 
 
 def test_step_and_backward_counts():
@@ -320,8 +268,16 @@ def test_full_state_dict_loads_strictly():
     c = dict(FIXED[0], frozen=0)
     model, batches = make(c)
     model.register_buffer("counter", torch.tensor([3]))
-    history = ops.run_threads(train, 3, 3, model, batches, c["engine"])[0][0]
+
+    def body(comm):
+        m = copy.deepcopy(model)
+        engine = minizero.Engine(m, comm, 3, **c["engine"])
+        for micro in batches[0]:
+            engine.backward(m(*micro[comm.rank]))
+        engine.step()
+        return engine.full_state_dict()
+    state = ops.run_threads(body, 3)[0]
     fresh = copy.deepcopy(model)
-    fresh.load_state_dict(history[-1][0], strict=True)
+    fresh.load_state_dict(state, strict=True)
     assert torch.equal(fresh.head.weight, fresh.emb.weight)            # tie survives
     assert torch.equal(fresh.layers[0].weight, model.layers[0].weight)  # frozen untouched
