@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -401,11 +402,19 @@ def train_entry(comm, cfg):
     return train(comm, cfg)
 
 
+def main(argv=None):
+    cfg = parse_args(argv)
+    try:
+        if "RANK" in os.environ:  # started by torchrun
+            comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
+            train_entry(comm, cfg)
+        else:  # start our own world: one GPU per rank if there are enough, else CPU processes
+            gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
+            ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
+    except KeyboardInterrupt:  # run_processes has killed every rank on its way out
+        print("train_gpt.py: interrupted; every rank was stopped", file=sys.stderr)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    cfg = parse_args()
-    if "RANK" in os.environ:  # started by torchrun
-        comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
-        train_entry(comm, cfg)
-    else:  # start our own world: one GPU per rank if there are enough, else CPU processes
-        gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
-        ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
+    main()

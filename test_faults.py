@@ -1,0 +1,117 @@
+"""
+Faults: no rank outlives its launcher, and the rank that died is the one named.
+(Checkpoint faults are in test_checkpoint.py.)
+"""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ops
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "2",
+        "--eval-iters", "1", "--sample-tokens", "1"]
+
+
+# -----------------------------------------------------------------------------
+# process lifecycle: a real launcher, signalled (Linux: ranks are found in /proc)
+
+
+def ranks_of(pid):
+    """The rank processes that `pid` spawned (not multiprocessing's resource tracker)."""
+    kids = "".join(open(f"/proc/{pid}/task/{t}/children").read() for t in os.listdir(f"/proc/{pid}/task"))
+    return [int(k) for k in kids.split() if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+
+
+def alive(pid):  # a zombie is dead: nobody may have reaped it yet
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the ranks in /proc")
+@pytest.mark.parametrize("sig, status, last_line", [
+    (signal.SIGTERM, 143, "train_gpt.py: stopped by SIGTERM; killing every rank"),
+    (signal.SIGINT, 130, "train_gpt.py: interrupted; every rank was stopped"),
+    (signal.SIGKILL, -9, None),  # the launcher cannot act: the ranks must notice themselves
+])
+def test_no_rank_outlives_its_launcher(tmp_path, sig, status, last_line):
+    (tmp_path / "data.txt").write_bytes(bytes(range(256)) * 8)
+    out, err = open(tmp_path / "out", "w"), open(tmp_path / "err", "w")
+    launcher = subprocess.Popen([sys.executable, "train_gpt.py", "--steps", "1000000", "--eval-interval", "1000000",
+                                 "--data", str(tmp_path / "data.txt"), *TINY], cwd=HERE, stdout=out, stderr=err,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    ranks = []
+    try:
+        deadline = time.monotonic() + 60
+        while "step 0: val loss" not in (tmp_path / "out").read_text():  # every rank is training
+            assert launcher.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()
+            time.sleep(0.1)
+        ranks = ranks_of(launcher.pid)
+        assert len(ranks) == 2
+        launcher.send_signal(sig)
+        gone = time.monotonic() + 5
+        while any(map(alive, ranks)) and time.monotonic() < gone:
+            time.sleep(0.05)
+        assert not any(map(alive, ranks)), f"ranks {[r for r in ranks if alive(r)]} outlived the launcher by 5 s"
+        assert launcher.wait(timeout=10) == status
+        stderr = (tmp_path / "err").read_text()
+        if last_line:
+            assert stderr.strip().splitlines()[-1] == last_line and "Traceback" not in stderr, stderr
+    finally:
+        for pid in [launcher.pid] + [r for r in ranks if alive(r)]:  # leave no stray on a failure
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+
+
+# -----------------------------------------------------------------------------
+# the right rank blamed (run_processes needs these at the top level)
+
+
+def _killed_while_peer_sends(comm):
+    ops.all_reduce(torch.ones(2), comm)
+    if comm.rank == 0:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    for _ in range(500):  # raw gloo, as a user's fn may call it: 'Connection reset by peer' at once
+        dist.isend(torch.ones(1), 0)
+        time.sleep(0.01)
+
+
+def _raises_while_peer_sends(comm):
+    ops.all_reduce(torch.ones(2), comm)
+    if comm.rank == 1:
+        raise KeyError("planted on rank 1")
+    time.sleep(1.0)  # rank 1 has raised and left: the next send finds the connection closed
+    for _ in range(200):
+        comm.isend(torch.ones(1), 1).wait()
+        time.sleep(0.01)
+
+
+def test_the_rank_killed_is_named_not_the_survivor():
+    with pytest.raises(RuntimeError) as info:
+        ops.run_processes(_killed_while_peer_sends, 2)
+    assert str(info.value) == "rank 0 was killed by signal 9 (SIGKILL)"
+
+
+def test_a_closed_connection_is_second_hand():
+    """gloo raises at the send itself once the peer is gone: that is a PeerFailed too, so the
+    rank that raised first-hand is named."""
+    with pytest.raises(RuntimeError, match=r"^rank 1 failed: KeyError: 'planted on rank 1'"):
+        ops.run_processes(_raises_while_peer_sends, 2)
+
+
+@pytest.mark.parametrize("world_size", [0, -1])
+def test_world_size_below_one(world_size):
+    for run in (ops.run_threads, ops.run_processes):
+        with pytest.raises(ValueError, match=f"world_size must be at least 1 .*; got {world_size}"):
+            run(lambda comm: None, world_size)
