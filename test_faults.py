@@ -1,6 +1,7 @@
 """
-Faults: no rank outlives its launcher, and the rank that died is the one named.
-(Checkpoint faults are in test_checkpoint.py.)
+Faults and bad input: no rank outlives its launcher, the rank that died is the one named,
+and every user error of train_gpt.py is one line naming the fix, found before any rank
+starts. (Checkpoint faults are in test_checkpoint.py.)
 """
 import contextlib
 import os
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import ops
+import train_gpt as tg
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "2",
@@ -115,3 +117,78 @@ def test_world_size_below_one(world_size):
     for run in (ops.run_threads, ops.run_processes):
         with pytest.raises(ValueError, match=f"world_size must be at least 1 .*; got {world_size}"):
             run(lambda comm: None, world_size)
+
+
+# -----------------------------------------------------------------------------
+# train_gpt.py: the user's options, checked before any rank starts
+
+
+def one_line_error(capsys, main, argv, prog):
+    """main(argv) exits 2 with one line on stderr, argparse's way, and prints nothing else."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and err.count("\n") == 1, (info.value.code, out, err)
+    assert err.startswith(f"{prog}: error: ")
+    return err
+
+
+@pytest.fixture
+def files(tmp_path, monkeypatch):
+    def no_ranks(*a, **k):
+        raise AssertionError("a rank was started")
+    monkeypatch.setattr(ops, "run_processes", no_ranks)
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "short.txt").write_bytes(b"x" * 300)  # val split: 30 bytes < block_size + 1
+    (tmp_path / "bad.json").write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true}}')
+    (tmp_path / "a_file").write_text("")
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv, says", [
+    ("--world-size 0", "--world-size must be at least 1; got 0"),
+    ("--world-size -1", "--world-size must be at least 1; got -1"),
+    ("--steps -1", "--steps must be at least 0"),
+    ("--eval-interval 0", "--eval-interval must be at least 1"),
+    ("--batch-size 0", "--batch-size must be at least 1"),
+    ("--n-layer 0", "--n-layer must be at least 1"),
+    ("--block-size -3", "--block-size must be at least 1"),
+    ("--grad-accum 0", "--grad-accum must be at least 1"),
+    ("--eval-iters 0", "--eval-iters must be at least 1"),
+    ("--lr nan", "--lr must be at least 0; got nan"),
+    ("--n-head 3", "--n-embd 128 must be a multiple of --n-head 3"),
+    ("--data {d}/missing.txt", "--data {d}/missing.txt: No such file or directory"),
+    ("--data {d}", "Is a directory"),
+    ("--data {d}/empty.txt", "has 0 bytes"),
+    ("--data {d}/short.txt", "have 270 and 30, but --block-size 64 needs 65 in each; give a file of at least 650"),
+    ("--config {d}/missing.json", "--config {d}/missing.json: No such file or directory"),
+    ("--config {d}/bad.json", "--config {d}/bad.json is not valid JSON: line 2"),
+    ("--config {d}/list.json", "holds a JSON list; a DeepSpeed config is an object"),
+    ("--config {d}/unknown.json", "unknown key 'zero_optimization.overlap_comm'"),
+    ("--out-dir {d}/a_file/ckpt", "--out-dir {d}/a_file/ckpt cannot be created or written"),
+    ("--resume", "--resume needs --out-dir"),
+    ("--resume --out-dir {d}", "--resume: no complete checkpoint in {d}"),
+])
+def test_train_gpt_user_errors_are_one_line(capsys, files, argv, says):
+    err = one_line_error(capsys, tg.main, argv.format(d=files).split(), "train_gpt.py")
+    assert says.format(d=files) in err
+
+
+def test_resume_past_the_last_step(tmp_path, capsys, files):
+    small = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, batch_size=2, eval_iters=1, sample_tokens=1)
+    ops.run_threads(tg.train, 1, {**small, "steps": 2, "eval_interval": 2, "out_dir": str(tmp_path)})
+    capsys.readouterr()
+    for steps in (2, 1):
+        err = one_line_error(capsys, tg.main, ["--resume", "--out-dir", str(tmp_path), "--steps", str(steps)],
+                             "train_gpt.py")
+        assert f"is at step 2, and --steps is {steps}; give --steps above 2" in err
+    assert tg.check_config(tg.parse_args(["--resume", "--out-dir", str(tmp_path), "--steps", "3"]))["steps"] == 3
+
+
+def test_train_gpt_command_line_error_has_no_traceback():
+    run = subprocess.run([sys.executable, "train_gpt.py", "--eval-interval", "0"], cwd=HERE,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == "train_gpt.py: error: --eval-interval must be at least 1; got 0\n"
