@@ -1,7 +1,7 @@
 """
 Faults and bad input: no rank outlives its launcher, the rank that died is the one named,
-and every user error of train_gpt.py is one line naming the fix, found before any rank
-starts. (Checkpoint faults are in test_checkpoint.py.)
+and every user error of the three command lines is one line naming the fix, found before
+any rank starts. (Checkpoint faults are in test_checkpoint.py.)
 """
 import contextlib
 import os
@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import minizero
 import ops
 import train_gpt as tg
 
@@ -192,3 +193,54 @@ def test_train_gpt_command_line_error_has_no_traceback():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr == "train_gpt.py: error: --eval-interval must be at least 1; got 0\n"
+
+
+# -----------------------------------------------------------------------------
+# the planner and consolidate: python minizero.py ...
+
+
+@pytest.mark.parametrize("argv, says", [
+    ("--params 0 --world-size 8", "finite number >= 1, like --params 7.5e9; got 0.0"),
+    ("--params -5 --world-size 8", "got -5.0"),
+    ("--params nan --world-size 8", "got nan"),
+    ("--params inf --world-size 8", "got inf"),
+    ("--params 1e9 --world-size 0", "the world size must be at least 1 rank; got 0"),
+    ("--params 1e9 --world-size -2", "got -2"),
+    ("--params 1e9 --world-size 8 --memory 0GB", "positive size, like --memory 80GB; got 0 B"),
+    ("--params 1e9 --world-size 8 --memory -80", "got -8e+10 B"),
+    ("--params 1e9 --world-size 8 --memory 80XB", "--memory '80XB' is not a size"),
+    ("--params 1e9 --world-size 8 --memory 80GG", "the unit must be one of B, KB, MB, GB, TB"),
+])
+def test_planner_bad_input_is_one_line(capsys, argv, says):
+    assert says in one_line_error(capsys, minizero.main, argv.split(), "minizero.py")
+
+
+def test_planner_memory_units(capsys):
+    for text, n in [("80GB", 80e9), ("80GiB", 80 * 2**30), ("1TB", 1e12), ("512MB", 512e6),
+                    ("1.5TiB", 1.5 * 2**40), ("80", 80e9), ("80gb", 80e9), ("2048 KiB", 2**21)]:
+        assert minizero.parse_bytes(text) == n, text
+    minizero.main(["--params", "7.5e9", "--world-size", "64", "--memory", "80GiB"])
+    assert capsys.readouterr().out.splitlines()[2].endswith(f"{80 * 2**30 / 16:.3g} parameters")
+
+
+@pytest.mark.parametrize("params, world_size", [(1e15, 1), (1e15, 3), (7.5e9, 64), (1, 1)])
+def test_planner_columns_never_run_together(params, world_size):
+    lines = minizero.plan(params, world_size, torch.float32, memory=1e12)
+    assert lines[1].split()[:6] == ["stage", "params", "grads", "optimizer", "total/rank", "sent/step"]
+    numel = -(-int(params) // world_size) * world_size
+    for stage, line in enumerate(lines[2:]):
+        cells = line.split()
+        b = minizero.model_state_bytes(numel, world_size, stage, torch.float32)
+        assert cells[0] == str(stage) and cells[7] == "parameters"
+        assert [float(c) for c in cells[1:5]] == [round(x / 1e9, 2) for x in (b["params"], b["grads"], b["optimizer"], sum(b.values()))]
+
+
+def test_consolidate_bad_paths_are_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    for argv, says in [(["ckpt", "missing/model.pt"], f"the directory {tmp_path / 'missing'} does not exist"),
+                       (["ckpt", "ckpt"], f"OUT ckpt is a directory; give a file name, like {os.path.join('ckpt', 'model.pt')}"),
+                       (["ckpt", "model.pt"], "no complete checkpoint in ckpt"),
+                       (["ckpt"], "usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")]:
+        assert says in one_line_error(capsys, minizero.main, ["consolidate", *argv], "minizero.py")
+    assert not (tmp_path / "model.pt").exists()
