@@ -17,6 +17,7 @@ and AdamW's step count for it: a parameter with no gradient in a step is not ste
 Shard k holds rank k's chunk of every unit's fp32 master, m and v; shard 0 also holds the
 frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
 """
+import contextlib
 import hashlib
 import io
 import json
@@ -25,10 +26,17 @@ import os
 
 import torch
 
-from ops import all_gather, broadcast
+from ops import PeerFailed, all_gather, broadcast
 
 FORMAT = "minizero-1"
 STATE = ("master", "m", "v")  # what a shard holds per unit: the optimizer's fp32 state
+FIELDS = {  # what load() and read_checkpoint() rely on, per part of the manifest: name -> JSON type
+    "manifest": {"format": str, "tag": str, "step": int, "scale": (int, float), "clean_steps": int,
+                 "world_size": int, "state_dict": list, "units": list, "shards": list},
+    "unit": {"numel": int, "padded": int, "params": list},
+    "param": {"name": str, "aliases": list, "shape": list, "offset": int},
+    "shard": {"file": str, "sha256": str},
+}
 
 
 def save(engine, path, meta=None):
@@ -47,25 +55,36 @@ def save(engine, path, meta=None):
     if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                           for n, t in engine.frozen().items()}
+    mine, mpath = os.path.join(path, f"shard-{tag}-{r}.pt"), os.path.join(path, "manifest.json")
     try:
-        digest, error = write_atomic(os.path.join(path, f"shard-{tag}-{r}.pt"), shard), ""
+        digest, error = write_atomic(mine, shard), ""
     except OSError as e:
         digest, error = bytes(32), str(e)
     report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=engine.device)
     reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
     failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
-    if failed:
-        raise RuntimeError(f"checkpoint not saved: rank(s) {failed} could not write their shard "
-                           f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
+    if failed:  # the ranks that did write give up on a peer, so the one that could not is named
+        _remove(mine)  # a failed save leaves nothing behind: on a full disk, the retry needs the space
+        raise (RuntimeError if error else PeerFailed)(
+            f"checkpoint not saved: rank(s) {failed} could not write their shard "
+            f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
     if r == 0:
         m = manifest(engine, tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
         m["meta"] = meta
-        write_atomic(os.path.join(path, "manifest.json"), json.dumps(m, indent=1).encode())
-        keep = {s["file"] for s in m["shards"]} | {"manifest.json"}
-        for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
-            if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
-                os.remove(os.path.join(path, f))
-    all_gather(torch.zeros(1, device=engine.device), comm, kind="checkpoint")  # done, everywhere
+        try:
+            write_atomic(mpath, json.dumps(m, indent=1).encode())
+        except OSError as e:
+            error = str(e)
+        else:
+            keep = {s["file"] for s in m["shards"]} | {"manifest.json"}
+            for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
+                if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
+                    os.remove(os.path.join(path, f))
+    done = all_gather(torch.tensor([0. if error else 1.], device=engine.device), comm, kind="checkpoint")
+    if done[0] != 1:  # rank 0 could not write the manifest: every rank says so and removes its shard
+        _remove(mine)
+        raise RuntimeError(f"checkpoint not saved: could not write its manifest {mpath} "
+                           f"({error or 'see rank 0'}); the previous checkpoint in {path} is untouched")
 
 
 def manifest(engine, tag, digests):
@@ -118,12 +137,21 @@ def load(engine, path):
 def write_atomic(path, obj):
     """Write to a temporary name, fsync, then rename: the file is whole or absent."""
     data = obj if isinstance(obj, bytes) else _serialize(obj)
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        _remove(path + ".tmp")  # a full disk must not fill up further with each retry
+        raise
     return hashlib.sha256(data).digest()
+
+
+def _remove(path):
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
 
 
 def _serialize(obj):
@@ -132,15 +160,64 @@ def _serialize(obj):
     return buf.getvalue()
 
 
-def read_checkpoint(path):
-    """-> (manifest, {name: {"master", "m", "v": fp32 tensor, "shape"}}, {name: tensor} of
-    frozen parameters and buffers). Every shard is checked against the manifest's sha256."""
+def read_manifest(path):
+    """The manifest of the checkpoint in directory `path`, checked whole (validate_manifest)."""
     mpath = os.path.join(path, "manifest.json")
     if not os.path.exists(mpath):
         raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing "
                                 f"(a save that never finished leaves no manifest)")
     with open(mpath) as f:
-        m = json.load(f)
+        try:
+            m = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"checkpoint manifest {mpath} is not JSON (line {e.lineno}: {e.msg}); "
+                             "it is damaged: save the checkpoint again") from e
+    validate_manifest(m, mpath)
+    return m
+
+
+def validate_manifest(m, mpath):
+    """Every field that load() and read_checkpoint() use, present and of its type, the
+    format, one shard per rank, parameters inside their unit: else a ValueError naming the
+    file and the field, before anything is read from the shards or changed in an engine."""
+    def bad(what):
+        return ValueError(f"checkpoint manifest {mpath}: {what}; it is damaged or not a minizero checkpoint")
+
+    def need(d, part, where):
+        if not isinstance(d, dict):
+            raise bad(f"{where or 'the manifest'} is {d!r}, not an object")
+        for k, t in FIELDS[part].items():
+            if not isinstance(d.get(k), t):
+                raise bad(f"{where}{k} is " + (f"{d[k]!r}, not {_names(t)}" if k in d else "missing"))
+    need(m, "manifest", "")
+    if m["format"] != FORMAT:
+        raise bad(f"format is {m['format']!r}, and this minizero reads {FORMAT!r}")
+    n = m["world_size"]
+    if n < 1 or len(m["shards"]) != n:
+        raise bad(f"shards lists {len(m['shards'])} files for world_size {n}, one per rank")
+    for k, shard in enumerate(m["shards"]):
+        need(shard, "shard", f"shards[{k}].")
+    for i, u in enumerate(m["units"]):
+        need(u, "unit", f"units[{i}].")
+        if u["padded"] % n or not 0 <= u["numel"] <= u["padded"]:
+            raise bad(f"units[{i}].padded is {u['padded']}, but it must be a multiple of world_size {n} "
+                      f"and at least its numel {u['numel']}")
+        for j, p in enumerate(u["params"]):
+            need(p, "param", f"units[{i}].params[{j}].")
+            shape_ok = all(type(x) is int and x >= 0 for x in p["shape"])
+            if not shape_ok or not 0 <= p["offset"] <= p["offset"] + math.prod(p["shape"]) <= u["numel"]:
+                raise bad(f"units[{i}].params[{j}] ({p['name']}) has shape {p['shape']} at offset "
+                          f"{p['offset']}, outside its unit of {u['numel']} elements")
+
+
+def _names(t):
+    return " or ".join(x.__name__ for x in t) if isinstance(t, tuple) else t.__name__
+
+
+def read_checkpoint(path):
+    """-> (manifest, {name: {"master", "m", "v": fp32 tensor, "shape"}}, {name: tensor} of
+    frozen parameters and buffers). Every shard is checked against the manifest's sha256."""
+    m = read_manifest(path)
     shards = []
     for s in m["shards"]:
         fpath = os.path.join(path, s["file"])
@@ -155,6 +232,9 @@ def read_checkpoint(path):
     params = {}
     for i, unit in enumerate(m["units"]):
         full = {k: torch.cat([s["units"][i][k] for s in shards]) for k in STATE}
+        if len(full["master"]) != unit["padded"]:
+            raise ValueError(f"checkpoint {path}: its shards hold {len(full['master'])} values of units[{i}], "
+                             f"its manifest says {unit['padded']}; the manifest and shards are of different saves")
         for p in unit["params"]:
             n = math.prod(p["shape"])
             params[p["name"]] = {k: full[k][p["offset"]:p["offset"] + n].view(p["shape"]) for k in full}

@@ -28,6 +28,7 @@ import argparse
 import dataclasses
 import hashlib
 import math
+import os
 import resource
 import sys
 from itertools import accumulate, chain
@@ -402,50 +403,89 @@ def peak_memory(device):
 
 
 # -----------------------------------------------------------------------------
-# the planner and checkpoint consolidation, from the command line:
+# the command line: the planner, checkpoint consolidation, and the check (check.py)
 #   python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB]
 #   python minizero.py consolidate DIR OUT.pt
+#   python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] ...
 
 
 def plan(params, world_size, dtype=torch.bfloat16, memory=None):
     """Lines of the planner's table, from the same formulas the tests hold the engine to."""
+    if not (math.isfinite(params) and params >= 1):
+        raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
+    if world_size < 1:
+        raise ValueError(f"the world size must be at least 1 rank; got {world_size}")
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
-    lines = [f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
-             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)",
-             f"{'stage':<8}{'params':>10}{'grads':>10}{'optimizer':>11}{'total/rank':>12}{'sent/step':>11}"
-             + ("  largest model that fits" if memory else "")]
+    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"]]
     for stage in range(4):
         b = model_state_bytes(numel, world_size, stage, dtype)
         sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype).values())
-        line = (f"{stage:<8}{b['params'] / 1e9:>10.2f}{b['grads'] / 1e9:>10.2f}{b['optimizer'] / 1e9:>11.2f}"
-                f"{sum(b.values()) / 1e9:>12.2f}{sent / 1e9:>11.2f}")
+        gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
+        rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
         if memory:
             per_param = sum(model_state_bytes(world_size, world_size, stage, dtype).values()) / world_size
-            line += f"  {memory / per_param:.3g} parameters"
-        lines.append(line)
-    return lines
+            rows[-1].append(f"{memory / per_param:.3g} parameters")
+    if memory:
+        rows[0].append("largest model that fits")
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(6)]  # so that numbers never run together
+    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
+             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)")
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:6], widths[1:]))
+                      + "".join("  " + c for c in r[6:]) for r in rows]
+
+
+BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text):
+    """'80GB', '80GiB', '1TB', '512MB', '1.5TiB', or a bare number of GB -> bytes."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower() or "gb"
+    if unit not in BYTES:
+        raise ValueError(f"--memory {text!r}: the unit must be one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    try:
+        return float(number) * BYTES[unit]
+    except ValueError:
+        raise ValueError(f"--memory {text!r} is not a size; give memory per rank like 80GB, 80GiB or 80 (GB)")
 
 
 def main(argv):
     if argv[:1] == ["check"]:  # python minizero.py check FILE.py: the proof on your model (check.py)
         from check import main as check_main
         sys.exit(check_main(argv[1:]))
-    if argv[:1] == ["consolidate"]:
-        if len(argv) != 3:
-            sys.exit("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
-        state = consolidate(argv[1])
-        torch.save(state, argv[2])
-        print(f"wrote {len(state)} tensors to {argv[2]}; model.load_state_dict(torch.load(...)) takes them")
-        return
-    ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
-    ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    ap.add_argument("--memory", help="memory per rank, e.g. 80GB: also print the largest model per stage")
-    a = ap.parse_args(argv)
-    memory = float(a.memory.upper().removesuffix("GB")) * 1e9 if a.memory else None
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-    print("\n".join(plan(a.params, a.world_size, dtype, memory)))
+    try:
+        if argv[:1] == ["consolidate"]:
+            return consolidate_cli(argv[1:])
+        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
+        ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
+        ap.add_argument("--world-size", type=int, required=True)
+        ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+        ap.add_argument("--memory", help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
+                                         "also print the largest model per stage")
+        a = ap.parse_args(argv)
+        memory = parse_bytes(a.memory) if a.memory is not None else None
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+        print("\n".join(plan(a.params, a.world_size, dtype, memory)))
+    except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
+        print(f"minizero.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def consolidate_cli(args):
+    if len(args) != 2:
+        raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
+    path, out = args
+    folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
+    if os.path.isdir(out):
+        raise ValueError(f"OUT {out} is a directory; give a file name, like {os.path.join(out, 'model.pt')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
+    state = consolidate(path)
+    torch.save(state, out)
+    print(f"wrote {len(state)} tensors to {out}; model.load_state_dict(torch.load(...)) takes them")
 
 
 if __name__ == "__main__":

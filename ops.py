@@ -17,9 +17,12 @@ Two transports run the same ring code:
     run_processes(fn, world_size, *args)  ranks are local processes on gloo or nccl
     init_from_env()                       ranks started by torchrun, any number of nodes
 """
+import ctypes
 import os
 import pickle
 import queue
+import signal
+import sys
 import tempfile
 import threading
 import time
@@ -38,6 +41,11 @@ class PeerFailed(RuntimeError):
 
 def _describe(kind, t):  # at most 64 characters: it travels as the processes' header
     return f"{kind} of {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"[:64]
+
+
+def _check_world_size(world_size):
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1 (the number of ranks); got {world_size!r}")
 
 
 def _expect(rank, kind, t, src, got):
@@ -78,12 +86,12 @@ class ThreadComm:
     def recv(self, t, src, kind="p2p"):
         deadline = time.monotonic() + self.world.timeout
         while True:
-            if self.world.failed.is_set():
-                raise PeerFailed(f"rank {self.rank}: a peer failed, giving up")
-            try:
+            try:  # a message already sent is delivered, as on a real transport, though its sender failed since
                 got_kind, payload = self.world.queues[src, self.rank].get(timeout=0.05)
                 break
             except queue.Empty:
+                if self.world.failed.is_set():
+                    raise PeerFailed(f"rank {self.rank}: a peer failed, giving up")
                 if time.monotonic() > deadline:
                     raise PeerFailed(f"rank {self.rank}: no message from rank {src} within "
                                      f"{self.world.timeout}s ({_describe(kind, t)})")
@@ -126,6 +134,7 @@ class ThreadWorld:
 def run_threads(fn, world_size, *args, timeout=60.0):
     """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
     If a rank raises, the others are woken up and this raises, naming that rank."""
+    _check_world_size(world_size)
     world = ThreadWorld(world_size, timeout)
     results, errors = [None] * world_size, {}
 
@@ -167,28 +176,33 @@ class ProcessComm:
     def _check(self, kind, t, src, header):
         _expect(self.rank, kind, t, src, bytes(header.cpu().tolist()).decode().strip())
 
-    def _wait(self, work, what):
+    def _guard(self, what, op):
+        """Run op, which starts or finishes a transfer. Once a peer is gone, gloo raises in
+        either ('Connection reset by peer' at once, or the timeout): that is the peer's
+        failure, so it is a PeerFailed, and run_processes looks for the first-hand one."""
         try:
-            work.wait(self.timeout)
+            return op()
         except Exception as e:
             raise PeerFailed(f"rank {self.rank}: {what} failed or timed out "
                              f"after {self.timeout.total_seconds()}s: {e}") from e
 
     def isend(self, t, dst, kind="p2p"):
         self.sent[kind] += t.numel() * t.element_size()
-        works = [dist.isend(self._header(kind, t), dst)] if self.check else []
-        works.append(dist.isend(t.contiguous(), dst))
-        return Pending(lambda: [self._wait(w, f"send to rank {dst}") for w in works])
+        what = f"send to rank {dst}"
+        msgs = ([self._header(kind, t)] if self.check else []) + [t.contiguous()]
+        works = [self._guard(what, lambda m=m: dist.isend(m, dst)) for m in msgs]
+        return Pending(lambda: [self._guard(what, lambda w=w: w.wait(self.timeout)) for w in works])
 
     def send(self, t, dst, kind="p2p"):
         self.isend(t, dst, kind).wait()
 
     def recv(self, t, src, kind="p2p"):
+        what = f"recv from rank {src}"
         if self.check:
             got = torch.empty(64, dtype=torch.uint8, device=t.device)
-            self._wait(dist.irecv(got, src), f"recv from rank {src}")
+            self._guard(what, lambda: dist.irecv(got, src).wait(self.timeout))
             self._check(kind, t, src, got)
-        self._wait(dist.irecv(t, src), f"recv from rank {src}")
+        self._guard(what, lambda: dist.irecv(t, src).wait(self.timeout))
 
     def irecv(self, t, src, kind="p2p"):
         return Pending(lambda: self.recv(t, src, kind))
@@ -199,13 +213,14 @@ class ProcessComm:
         if self.check:
             h = self._header(kind, x)
             hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
-            self._wait(_NATIVE["all_gather"](hs, h, async_op=True), "header all-gather")
+            self._guard("header all-gather",
+                        lambda: _NATIVE["all_gather"](hs, h, async_op=True).wait(self.timeout))
             for src, g in enumerate(hs.view(self.world_size, -1)):
                 self._check(kind, x, src, g)
         if op == "all_reduce":
-            self._wait(dist.all_reduce(out.copy_(x), async_op=True), kind)
+            self._guard(kind, lambda: dist.all_reduce(out.copy_(x), async_op=True).wait(self.timeout))
         else:
-            self._wait(_NATIVE[op](out, x.contiguous(), async_op=True), kind)
+            self._guard(kind, lambda: _NATIVE[op](out, x.contiguous(), async_op=True).wait(self.timeout))
         return out
 
 
@@ -224,7 +239,24 @@ def init_from_env(timeout=300.0, check=False, native=True):
     return ProcessComm(timeout, check, native)
 
 
-def _process_main(rank, world_size, backend, store_path, timeout, check, fn, args, results):
+def _die_with_parent(parent):
+    """A rank must not outlive its launcher, however the launcher ends (kill -9 included).
+    On Linux the kernel kills us the moment it goes (PR_SET_PDEATHSIG); everywhere, a
+    thread checks twice a second that it is still our parent, which also covers a launcher
+    that died before the prctl call."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def _process_main(rank, world_size, backend, store_path, timeout, check, parent, fn, args, results):
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches us too: the launcher alone handles it
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -240,45 +272,79 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, fn, arg
     os._exit(0)
 
 
+def _terminated(signum, frame):
+    """SIGTERM, how schedulers stop a job: leave run_processes through its `finally`, which
+    kills every rank, and exit with the status the signal itself would have given."""
+    print(f"{os.path.basename(sys.argv[0])}: stopped by SIGTERM; killing every rank", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
 def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=True):
     """Spawn world_size local ranks running fn(comm, *args) (fn must be importable);
-    return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed
-    and this raises, naming that rank."""
+    return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed and
+    this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
+    or any exception kill them all, and they kill themselves if this process dies."""
+    _check_world_size(world_size)
     ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
     results = ctx.Queue()
+    main = threading.current_thread() is threading.main_thread()  # the only thread that takes signals
+    before = signal.signal(signal.SIGTERM, _terminated) if main else None
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_process_main, daemon=True,
                              args=(r, world_size, backend, os.path.join(tmp, "store"), timeout,
-                                   check, fn, args, results)) for r in range(world_size)]
+                                   check, os.getpid(), fn, args, results)) for r in range(world_size)]
         for p in procs:
             p.start()
-        out, failure, secondhand, grace = {}, None, None, None
+        out, failure = {}, None
         try:
-            while len(out) < world_size and failure is None:
-                try:
-                    status, rank, payload = results.get(timeout=0.2)
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
-                    if dead:
-                        failure = f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                    elif secondhand is not None and time.monotonic() > grace:
-                        failure = secondhand
-                    continue
-                if status == "ok":
-                    out[rank] = pickle.loads(payload)
-                elif payload.startswith("PeerFailed:"):  # a rank gave up on a peer: give the
-                    if secondhand is None:                # first-hand failure a moment to arrive
-                        secondhand, grace = f"rank {rank} failed: {payload}", time.monotonic() + 2.0
-                else:
-                    failure = f"rank {rank} failed: {payload}"
+            failure = _wait_for_ranks(procs, results, out)
         finally:
             for p in procs:
-                if failure is not None and p.is_alive():
-                    p.kill()
+                if len(out) < world_size:  # a failure, an exception, SIGTERM or ^C: no rank goes on
+                    p.kill()  # (a no-op on a rank that has exited)
                 p.join(timeout=10)
+            if main:
+                signal.signal(signal.SIGTERM, before)
     if failure is not None:
         raise RuntimeError(failure)
     return [out[r] for r in range(world_size)]
+
+
+def _wait_for_ranks(procs, results, out, grace=2.0):
+    """Collect each rank's result into out; return None, or the failure to report. An error
+    is not final until every rank has reported or exited, or `grace` seconds have passed:
+    the rank that died often cannot be seen dead yet when a survivor reports the broken
+    connection, and the report must name the rank that died, not the survivor."""
+    errors, deadline = {}, None
+    while len(out) < len(procs):
+        try:
+            status, rank, payload = results.get(timeout=0.2)
+            if status == "ok":
+                out[rank] = pickle.loads(payload)
+            else:
+                errors[rank] = payload
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+        if (errors or dead) and deadline is None:
+            deadline = time.monotonic() + grace
+        settled = len(out) + len(errors) + len(dead) == len(procs)  # each reported, or died without a word
+        if deadline is not None and (settled or time.monotonic() > deadline):
+            return _blame(procs, errors, dead)
+    return None
+
+
+def _blame(procs, errors, dead):
+    """The first-hand failure: a rank that died (its peers' errors follow from that), else
+    a rank's own error, else the lowest rank that gave up on a peer (PeerFailed)."""
+    if dead:
+        code = procs[dead[0]].exitcode
+        name = {s.value: s.name for s in signal.Signals}.get(-code, "unnamed")
+        return f"rank {dead[0]} " + (f"was killed by signal {-code} ({name})" if code < 0
+                                     else f"died with exit code {code}")
+    own = [r for r in sorted(errors) if not errors[r].startswith("PeerFailed:")]
+    r = own[0] if own else min(errors)
+    return f"rank {r} failed: {errors[r]}"
 
 
 # -----------------------------------------------------------------------------

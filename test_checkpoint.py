@@ -4,7 +4,10 @@ world size and stage; consolidation gives a plain state_dict; bad files fail lou
 and a save that dies half-way leaves the previous checkpoint whole.
 """
 import copy
+import errno
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -192,3 +195,84 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch, dies_at)
         ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
     monkeypatch.setattr(checkpoint, "write_atomic", real)
     assert_same(load_into(model, c, path), states[0][0])
+
+
+def edit_manifest(path, change):
+    mpath = os.path.join(path, "manifest.json")
+    with open(mpath) as f:
+        m = json.load(f)
+    change(m)
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+
+
+# a damaged manifest -> the field its error must name
+DAMAGED = {
+    "no step": (lambda m: m.pop("step"), "step is missing"),
+    "no scale": (lambda m: m.pop("scale"), "scale is missing"),
+    "no clean_steps": (lambda m: m.pop("clean_steps"), "clean_steps is missing"),
+    "step of another type": (lambda m: m.update(step="3"), "step is '3', not int"),
+    "unknown format": (lambda m: m.update(format="minizero-2"), "format is 'minizero-2', and this minizero reads"),
+    "fewer shards": (lambda m: m["shards"].pop(), "shards lists 2 files for world_size 3"),
+    "shard without file": (lambda m: m["shards"][1].pop("file"), "shards[1].file is missing"),
+    "unit without padded": (lambda m: m["units"][0].pop("padded"), "units[0].padded is missing"),
+    "padding not a multiple": (lambda m: m["units"][0].update(padded=m["units"][0]["padded"] + 1),
+                               "units[0].padded is"),
+    "param outside its unit": (lambda m: m["units"][0]["params"][0].update(offset=10**6), "units[0].params[0]"),
+    "param without shape": (lambda m: m["units"][-1]["params"][0].pop("shape"), "params[0].shape is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED))
+def test_damaged_manifest_is_named_and_nothing_is_loaded(saved, damage):
+    """load() checks the manifest whole before it changes anything; read_checkpoint and
+    consolidate name the file and the field (not a KeyError or a reshape error)."""
+    path, c, model, *_ = saved
+    change, says = DAMAGED[damage]
+    edit_manifest(path, change)
+    mpath = os.path.join(path, "manifest.json")
+    for read in (minizero.read_checkpoint, minizero.consolidate):
+        with pytest.raises(ValueError, match=f"^checkpoint manifest {mpath}: .*{re.escape(says)}"):
+            read(path)
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, 2, **c["engine"])
+        before = engine.full_state_dict()
+        with pytest.raises(ValueError, match=re.escape(says)):
+            engine.load_checkpoint(path)
+        assert_same(engine.full_state_dict(), before)
+        return engine.t, engine.scale
+    assert ops.run_threads(body, 3) == [(0, 1.0)] * 3
+
+
+def test_manifest_that_is_not_json(saved):
+    path, *_ = saved
+    with open(os.path.join(path, "manifest.json"), "w") as f:
+        f.write('{"format": "minizero-1",\n  oops')
+    with pytest.raises(ValueError, match=f"manifest {os.path.join(path, 'manifest.json')} is not JSON .line 2"):
+        minizero.consolidate(path)
+
+
+@pytest.mark.parametrize("fails_at", ["-1.pt", "manifest.json"])
+def test_failed_save_leaves_no_files_and_the_next_save_succeeds(saved, monkeypatch, fails_at):
+    """The disk is full when the second save renames a rank's shard or the manifest into
+    place: the save fails naming what it could not write, leaves no file of its own behind
+    (not even .tmp), the first checkpoint still loads, and once there is space a save works."""
+    path, c, model, batches, states = saved
+    before = sorted(os.listdir(path))
+    real = os.replace
+    def full(src, dst):
+        if dst.endswith(fails_at):
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", full)
+    says = "could not write its manifest " + os.path.join(path, "manifest.json") if fails_at == "manifest.json" \
+        else "rank\\(s\\) \\[1\\] could not write their shard"
+    with pytest.raises(RuntimeError, match=f"^rank {0 if fails_at == 'manifest.json' else 1} failed: "
+                                           f"RuntimeError: checkpoint not saved: {says}.*No space left on device"):
+        ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+    assert sorted(os.listdir(path)) == before
+    assert_same(load_into(model, c, path), states[0][0])
+    monkeypatch.setattr(os, "replace", real)
+    again = ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+    assert_same(load_into(model, c, path), again[0][1])
+    assert len(shard_files(path)) == 3 and not [f for f in os.listdir(path) if f.endswith(".tmp")]

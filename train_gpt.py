@@ -12,7 +12,9 @@ import argparse
 import json
 import math
 import os
+import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -21,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 import minizero
 import ops
 
@@ -159,8 +162,12 @@ def load_data(path=None):
         with open(path, "rb") as f:
             raw = f.read()
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    n = int(0.9 * len(data))
+    n = split_at(len(data))
     return {"train": data[:n], "val": data[n:]}
+
+
+def split_at(n):
+    return int(0.9 * n)  # the train split is the first 90% of n bytes
 
 
 def get_batch(split, batch_size, block_size, generator):
@@ -255,9 +262,77 @@ def parse_args(argv=None):
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {})}
     if given.get("config"):
-        with open(given["config"]) as f:
-            cfg.update(parse_ds_config(json.load(f)))
+        cfg.update(parse_ds_config(read_json(given["config"])))
     return {**cfg, **given}
+
+
+def read_json(path):
+    """--config's file as a dict; a missing file or bad JSON is a ValueError naming the file and line."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}; give the path of a DeepSpeed JSON config")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}")
+    if not isinstance(ds, dict):
+        raise ValueError(f"--config {path} holds a JSON {type(ds).__name__}; a DeepSpeed config is an object {{...}}")
+    return ds
+
+
+AT_LEAST = dict(world_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1,
+                eval_interval=1, eval_iters=1, steps=0, warmup=0, sample_tokens=0, lr=0, min_lr=0, clip=0)
+
+
+def check_config(cfg):
+    """Everything about the options that can be checked before a rank starts; a ValueError
+    that names the fix. The checkpoint and data are read only as far as that needs."""
+    for k, low in AT_LEAST.items():
+        if cfg[k] is not None and not cfg[k] >= low:  # (nan is not >= anything)
+            raise ValueError(f"--{k.replace('_', '-')} must be at least {low}; got {cfg[k]}")
+    if cfg["n_embd"] % cfg["n_head"]:
+        raise ValueError(f"--n-embd {cfg['n_embd']} must be a multiple of --n-head {cfg['n_head']}")
+    grad_accum_for(SimpleNamespace(**cfg), int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
+    if cfg["data"] is not None:
+        check_data(cfg["data"], cfg["block_size"])
+    if cfg["out_dir"]:
+        try:  # now, not at the first save, an eval interval of training later
+            os.makedirs(cfg["out_dir"], exist_ok=True)
+            tempfile.TemporaryFile(dir=cfg["out_dir"]).close()
+        except OSError as e:
+            raise ValueError(f"--out-dir {cfg['out_dir']} cannot be created or written ({e}); "
+                             "give a directory you can write to")
+    if cfg["resume"]:
+        check_resume(cfg["out_dir"], cfg["steps"])
+    return cfg
+
+
+def check_data(path, block_size):
+    try:
+        with open(path, "rb") as f:
+            n = os.fstat(f.fileno()).st_size
+    except OSError as e:
+        raise ValueError(f"--data {path}: {e.strerror}; give a text file (no --data: the standard library's sources)")
+    train, val = split_at(n), n - split_at(n)
+    if min(train, val) < block_size + 1:
+        raise ValueError(f"--data {path} has {n} bytes: its train and val splits (90%, 10%) have {train} and {val}, "
+                         f"but --block-size {block_size} needs {block_size + 1} in each; give a file of at least "
+                         f"{10 * (block_size + 1)} bytes or a smaller --block-size")
+
+
+def check_resume(out_dir, steps):
+    if not out_dir:
+        raise ValueError("--resume needs --out-dir, the checkpoint directory to resume from")
+    try:
+        step = (checkpoint.read_manifest(out_dir).get("meta") or {}).get("step")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--resume: {e}")
+    if not isinstance(step, int):
+        raise ValueError(f"--resume: the checkpoint in {out_dir} has no training step (meta.step): "
+                         "it was not saved by train_gpt.py")
+    if step >= steps:
+        raise ValueError(f"--resume: the checkpoint in {out_dir} is at step {step}, and --steps is {steps}; "
+                         f"give --steps above {step} to train on")
 
 
 # -----------------------------------------------------------------------------
@@ -317,8 +392,6 @@ def train(comm, cfg):
 
     start = 0
     if c.resume:  # at any world size and stage: the engine re-cuts the saved vectors
-        if not c.out_dir:
-            raise ValueError("--resume needs --out-dir, the checkpoint directory to resume from")
         start = engine.load_checkpoint(c.out_dir)["step"]
         log(f"resumed from {c.out_dir} at step {start}")
     # each rank its own batches; a resumed run does not replay the batches it has seen
@@ -401,11 +474,23 @@ def train_entry(comm, cfg):
     return train(comm, cfg)
 
 
+def main(argv=None):
+    try:
+        cfg = check_config(parse_args(argv))
+    except ValueError as e:  # the user's options: one line, as argparse's own errors (tracebacks are for bugs)
+        print(f"train_gpt.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        if "RANK" in os.environ:  # started by torchrun
+            comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
+            train_entry(comm, cfg)
+        else:  # start our own world: one GPU per rank if there are enough, else CPU processes
+            gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
+            ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
+    except KeyboardInterrupt:  # run_processes has killed every rank on its way out
+        print("train_gpt.py: interrupted; every rank was stopped", file=sys.stderr)
+        sys.exit(130)
+
+
 if __name__ == "__main__":
-    cfg = parse_args()
-    if "RANK" in os.environ:  # started by torchrun
-        comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
-        train_entry(comm, cfg)
-    else:  # start our own world: one GPU per rank if there are enough, else CPU processes
-        gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
-        ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
+    main()
