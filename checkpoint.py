@@ -28,13 +28,13 @@ import torch
 
 from ops import PeerFailed, all_gather, broadcast
 
-FORMAT = "minizero-1"
+FORMAT = "minizero-2"  # 2: AdamW step counts per parameter; 1 had one for all, read as such
 STATE = ("master", "m", "v")  # what a shard holds per unit: the optimizer's fp32 state
 FIELDS = {  # what load() and read_checkpoint() rely on, per part of the manifest: name -> JSON type
     "manifest": {"format": str, "tag": str, "step": int, "scale": (int, float), "clean_steps": int,
                  "world_size": int, "state_dict": list, "units": list, "shards": list},
     "unit": {"numel": int, "padded": int, "params": list},
-    "param": {"name": str, "aliases": list, "shape": list, "offset": int},
+    "param": {"name": str, "aliases": list, "shape": list, "offset": int, "steps": int},
     "shard": {"file": str, "sha256": str},
 }
 
@@ -190,6 +190,11 @@ def validate_manifest(m, mpath):
             if not isinstance(d.get(k), t):
                 raise bad(f"{where}{k} is " + (f"{d[k]!r}, not {_names(t)}" if k in d else "missing"))
     need(m, "manifest", "")
+    if m["format"] == "minizero-1":  # every parameter had taken every step
+        for u in m["units"] if isinstance(m["units"], list) else []:
+            for p in u.get("params", []) if isinstance(u, dict) else []:
+                p.setdefault("steps", m["step"]) if isinstance(p, dict) else None
+        m["format"] = FORMAT
     if m["format"] != FORMAT:
         raise bad(f"format is {m['format']!r}, and this minizero reads {FORMAT!r}")
     n = m["world_size"]

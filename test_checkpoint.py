@@ -212,7 +212,8 @@ DAMAGED = {
     "no scale": (lambda m: m.pop("scale"), "scale is missing"),
     "no clean_steps": (lambda m: m.pop("clean_steps"), "clean_steps is missing"),
     "step of another type": (lambda m: m.update(step="3"), "step is '3', not int"),
-    "unknown format": (lambda m: m.update(format="minizero-2"), "format is 'minizero-2', and this minizero reads"),
+    "unknown format": (lambda m: m.update(format="minizero-9"), "format is 'minizero-9', and this minizero reads"),
+    "param without steps": (lambda m: m["units"][0]["params"][0].pop("steps"), "units[0].params[0].steps is missing"),
     "fewer shards": (lambda m: m["shards"].pop(), "shards lists 2 files for world_size 3"),
     "shard without file": (lambda m: m["shards"][1].pop("file"), "shards[1].file is missing"),
     "unit without padded": (lambda m: m["units"][0].pop("padded"), "units[0].padded is missing"),
@@ -242,6 +243,22 @@ def test_damaged_manifest_is_named_and_nothing_is_loaded(saved, damage):
         assert_same(engine.full_state_dict(), before)
         return engine.t, engine.scale
     assert ops.run_threads(body, 3) == [(0, 1.0)] * 3
+
+
+def test_format_1_loads_with_every_parameter_at_the_step(saved):
+    """minizero-1 kept one AdamW step count for all parameters: they all took every step."""
+    path, c, model, *_ = saved
+    def to_format_1(m):
+        m["format"] = "minizero-1"
+        for u in m["units"]:
+            for p in u["params"]:
+                assert p.pop("steps") == m["step"] == 1
+    edit_manifest(path, to_format_1)
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, 1, **c["engine"])
+        engine.load_checkpoint(path)
+        return {t for u in engine.units for t in u.steps}
+    assert ops.run_threads(body, 3) == [{1}] * 3
 
 
 def test_manifest_that_is_not_json(saved):
