@@ -50,8 +50,9 @@ def save(engine, path, meta=None):
     nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
     tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
     whole = not engine.sharded["optimizer"]  # DDP keeps the whole state: save only my chunk of it
-    shard = {"units": [{k: (u.chunk(getattr(u, k), r) if whole else getattr(u, k)).cpu() for k in STATE}
-                       for u in engine.units]}
+    states = (engine.optimizer_state(u) for u in engine.units)  # (from disk if offloaded there)
+    shard = {"units": [{k: (u.chunk(st[k], r) if whole else st[k]).cpu() for k in STATE}
+                       for u, st in zip(engine.units, states)]}
     if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                           for n, t in engine.frozen().items()}
@@ -115,15 +116,15 @@ def load(engine, path):
     _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
     r = engine.comm.rank
-    for u in engine.units:
+    mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
+    engine.set_optimizer_state((u, {k: mine(u, _assemble(u, params, k)) for k in STATE}) for u in engine.units)
+    for u in engine.units:  # then what the model reads
         u.steps = [params[n]["steps"] for n in u.names]  # AdamW's per-parameter step counts
-        full = {k: _assemble(u, params, k) for k in STATE}
+        master = _assemble(u, params, "master")
         if engine.sharded["params"]:
-            u.shard.copy_(u.chunk(full["master"], r))
+            u.shard.copy_(u.chunk(master, r))
         else:
-            u.flat.copy_(full["master"])  # the live parameters, all of them
-        for k in STATE:
-            getattr(u, k).copy_(u.chunk(full[k], r) if engine.sharded["optimizer"] else full[k])
+            u.flat.copy_(master)  # the live parameters, all of them
     for n, t in frozen.items():
         t.data.copy_(extra[n])
     engine.t, engine.scale, engine.clean_steps = m["step"], m["scale"], m["clean_steps"]

@@ -10,6 +10,7 @@ update after the last micro-batch); *how* they sum, update and share is theirs.
     engine.step()               # after grad_accum of them
 """
 import contextlib
+import os
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -17,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
-from minizero import (DTYPES, Hyper, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update, default_units,
-                      gather_params, group_params, model_state_bytes, reduce_grads, release_params, runs,
-                      sharded, tensors, zero_update)
+from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update,
+                      default_units, gather_params, group_params, model_state_bytes, offloaded_bytes, reduce_grads,
+                      release_params, runs, share_params, sharded, tensors, update, zero_update)
+from offload import DiskState
 from ops import Pending, all_gather, broadcast
 
 
@@ -31,7 +33,8 @@ class Engine:
     def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
-                 broadcast_buffers=True, overlap=True, native=None):
+                 broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
+                 pin_memory=True, overlap=True, native=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -44,6 +47,16 @@ class Engine:
         if len(devices) > 1:
             raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                              f"move the model to one device (model.to(device)) first")
+        if offload not in (None, "cpu", "disk"):
+            raise ValueError(f"offload must be None, 'cpu' or 'disk'; got {offload!r}")
+        if (offload or offload_params) and stage == 0:
+            raise ValueError("offload moves this rank's shard of the optimizer state off the device; stage 0 "
+                             "(DDP) keeps the whole state on every rank: use stage 1-3 with offload")
+        if offload_params and stage != 3:
+            raise ValueError("offload_params moves stage 3's parameter shard to the host; use stage 3")
+        if offload == "disk" and not offload_dir:
+            raise ValueError("offload='disk' needs offload_dir=, a directory on the disk the optimizer "
+                             "state should live on (it needs 24 bytes per parameter / world size)")
         if native is not None:
             comm.native = native  # torch's own collectives instead of the ring (ops.py)
         check_same_model(model, comm)  # first: every later collective's size depends on it
@@ -84,10 +97,21 @@ class Engine:
                              f"gathers one unit at a time, so put both modules in one unit "
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
+        device = next(model.parameters()).device
+        if device.type == "cpu" and (offload == "cpu" or offload_params):  # say so once, change nothing
+            warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
+                          "so nothing moves; offload='disk' is the one that frees RAM here")
+            offload, offload_params = (None if offload == "cpu" else offload), False
+        self.offload, self.offload_params = offload, offload_params  # where the shards live, if not here
+        self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
+            if offload == "disk" else None      # the files of disk offload (offload.py)
+        groups = [(m, g) for m, g in zip(modules, groups) if g]
         self.units = [Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
-                           [decay is None or bool(decay(n, p)) for n, p in g])
-                      for m, g in zip(modules, groups) if g]
-        self.device = self.units[0].flat.device  # where the model lives
+                           [decay is None or bool(decay(n, p)) for n, p in g],
+                           Place(offload or "device", "cpu" if offload_params else "device",
+                                 pin_memory and device.type == "cuda", self.disk, i))
+                      for i, (m, g) in enumerate(groups)]
+        self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
@@ -237,7 +261,9 @@ class Engine:
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
         mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
-        u.master.copy_(mine)
+        state = self.optimizer_state(u)
+        state["master"].copy_(mine)
+        self.set_optimizer_state([(u, state)])
         if u.shard is not None and u.shard is not u.master:
             u.shard.copy_(mine)
         elif u.shard is None and full is not u.flat:
@@ -344,24 +370,55 @@ class Engine:
         coef = None
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
-        self.t += 1
-        self.skips_in_row = 0
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
-        r = self.comm.rank
+        before = [u.steps for u in self.units]
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
+        if self.disk is not None:
+            self._disk_update(hp, before)
+        for u in self.units if self.disk is None else []:
             if self.sharded["optimizer"]:
-                lo = r * u.shard_size
+                lo = self.comm.rank * u.shard_size
                 zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
                             self.comm, u.flat, u.shard)
             else:
                 ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
+        self.t += 1
+        self.skips_in_row = 0
         self._drop_grads()
         if self.dtype == torch.float16:
             self.clean_steps += 1
             if self.clean_steps % self.scale_window == 0:
                 self.scale *= 2
         return True
+
+    def _disk_update(self, hp, before):
+        """Stages 1-3 with the optimizer state on disk (offload.py). Each unit's master, m
+        and v stream in (the next unit's read runs alongside), are updated on the host and
+        stream out to the files' other slot. Only once every rank has written every unit
+        (one small collective) do the slots swap and the params follow, as in zero_update:
+        a failed write (a full disk) leaves params, moments and step counts as they were."""
+        error, units = "", range(len(self.units))
+        try:
+            for i, state in self.disk.stream(units):
+                u, lo = self.units[i], self.comm.rank * self.units[i].shard_size
+                update(*state.view(3, -1), u.reduced, runs(u, lo, lo + u.shard_size, hp), hp)
+                self.disk.write(i, state)
+            self.disk.finish()
+        except OSError as e:
+            error = str(e)
+        done = all_gather(torch.tensor([0.0 if error else 1.0], device=self.device), self.comm, kind="offload")
+        if not done.all():
+            for u, steps in zip(self.units, before):
+                u.steps = steps
+            self._drop_grads()
+            failed = [k for k, x in enumerate(done.tolist()) if not x]
+            raise RuntimeError(f"step {self.t + 1} not taken: rank(s) {failed} could not write the offloaded "
+                               f"optimizer state to {self.disk.folder} ({error or 'see that rank'}); params, "
+                               f"moments and step counts are as they were. Free space there and train on")
+        self.disk.commit()
+        for i, master in self.disk.stream(units, count=1):
+            share_params(master, self.comm, self.units[i].flat, self.units[i].shard)
 
     def _agree(self):
         """One small collective per step (kind "flags", booked apart from Ψ): whether every
@@ -422,7 +479,8 @@ class Engine:
         values = {}
         self._drain()
         for u in self.units:
-            full = all_gather(u.master, self.comm, kind="state_dict") if self.sharded["optimizer"] else u.master
+            master = self.optimizer_state(u)["master"].to(self.device)
+            full = all_gather(master, self.comm, kind="state_dict") if self.sharded["optimizer"] else master
             for p, o in zip(u.params, u.offsets):
                 values[id(p)] = full[o:o + p.numel()].view(p.shape)
         out = {}
@@ -437,22 +495,53 @@ class Engine:
         return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
 
     def memory(self):
-        """Bytes of the tensors this rank keeps between steps, by category."""
-        def nbytes(*ts):
-            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        """Bytes of the tensors this rank keeps on its device between steps, by category
+        (what is offloaded, offloaded() counts)."""
         params = grads = opt = 0
+        own = self.dtype != torch.float32 or self.offload  # a master apart from the params
         for u in self.units:
-            params += nbytes(u.shard if self.sharded["params"] else u.flat)
-            grads += nbytes(u.reduced if self.sharded["grads"] else u.grad)
-            opt += nbytes(u.m, u.v) + (nbytes(u.master) if self.dtype != torch.float32 else 0)
+            params += _nbytes(self.device, u.shard if self.sharded["params"] else u.flat)
+            grads += _nbytes(self.device, u.reduced if self.sharded["grads"] else u.grad)
+            opt += _nbytes(self.device, u.m, u.v, u.master if own else None)
         return {"params": params, "grads": grads, "optimizer": opt}
+
+    def offloaded(self):
+        """{where: bytes} of this rank's model state kept off its device: "cpu" (host
+        memory) or "disk" (the files hold two slots: twice this)."""
+        out = {"disk": self.disk.nbytes()} if self.disk else {}
+        host = sum(_nbytes(torch.device("cpu"), u.master, u.m, u.v, u.shard) for u in self.units)
+        if self.device.type != "cpu" and host:
+            out["cpu"] = host
+        return out
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""
         return sum(u.padded for u in self.units)
 
-    def formula(self):
-        return model_state_bytes(self.numel(), self.comm.world_size, self.stage, self.dtype)
+    def formula(self, offloaded=False):
+        """What memory() (or, offloaded=True, offloaded()) must be: minizero's formulas."""
+        what = offloaded_bytes if offloaded else model_state_bytes
+        return what(self.numel(), self.comm.world_size, self.stage, self.dtype, self.offload, self.offload_params)
+
+    def optimizer_state(self, u):
+        """This rank's fp32 master, m and v of unit u, as {"master", "m", "v"} (from disk
+        if they live there: a copy)."""
+        if self.disk is None:
+            return {"master": u.master, "m": u.m, "v": u.v}
+        return dict(zip(("master", "m", "v"), self.disk.read(self.units.index(u)).view(3, -1)))
+
+    def set_optimizer_state(self, states):
+        """(unit, {"master", "m", "v"}) pairs as this rank's optimizer state. On disk they go
+        to the other slots and count once all are written: a failed write changes nothing."""
+        for u, state in states:
+            if self.disk is not None:
+                self.disk.write(self.units.index(u), torch.cat([state[k].reshape(-1) for k in ("master", "m", "v")]))
+            else:
+                for k in ("master", "m", "v"):
+                    getattr(u, k).copy_(state[k])
+        if self.disk is not None:
+            self.disk.finish()
+            self.disk.commit()
 
     def save_checkpoint(self, path, meta=None):
         """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
@@ -464,12 +553,20 @@ class Engine:
         return checkpoint.load(self, path)
 
     def close(self):
-        """Stop the communication thread. The model's hooks refuse from now on."""
+        """Stop the communication thread and remove disk offload's files. The model's
+        hooks refuse from now on."""
         if not self.closed:
             self._drain()
             self.closed = True
             if self.pool is not None:
                 self.pool.shutdown()
+            if self.disk is not None:
+                self.disk.close()
+
+
+def _nbytes(device, *ts):
+    """Bytes of those of ts (None skipped) that live on device."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it here

@@ -99,11 +99,26 @@ def group_params(model, units):
     return groups, cross
 
 
+class Place(NamedTuple):
+    """Where a unit's state lives (engine.py decides, from Engine(offload=...))."""
+    state: str = "device"   # the optimizer's master, m, v: "device", "cpu" (host memory) or "disk"
+    params: str = "device"  # stage 3's 16-bit shard: "device" or "cpu"
+    pin: bool = False       # host memory pinned, for fast copies to and from a GPU
+    disk: object = None     # with state "disk": the offload.DiskState that holds them
+    index: int = 0          # the unit's number (its file's name)
+
+    def host(self, t, where):
+        if where != "cpu":
+            return t
+        t = t.cpu()
+        return t.pin_memory() if self.pin else t
+
+
 class Unit:
     """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
     everything this rank keeps for it. What the stage shards is held as rank r's chunk."""
 
-    def __init__(self, module, named, comm, dtype, reduce_dtype, sharded, decays):
+    def __init__(self, module, named, comm, dtype, reduce_dtype, sharded, decays, place=None):
         N, r = comm.world_size, comm.rank
         self.module = module                        # the nn.Module whose parameters these are
         self.names = [n for n, _ in named]          # their names in the model, in registration order
@@ -121,12 +136,18 @@ class Unit:
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
         self.point(self.flat)
         broadcast(self.flat, comm)  # as DDP does: every rank starts from rank 0's values
+        place = place or Place()
         mine = self.chunk(self.flat, r) if sharded["optimizer"] else self.flat
-        self.shard = mine.clone() if sharded["params"] else None  # stage 3: the 16-bit shard to gather
+        self.shard = place.host(mine.clone(), place.params) if sharded["params"] else None  # stage 3: gathered
         mine = mine if self.shard is None else self.shard
-        self.master = mine if dtype == torch.float32 else mine.float()  # fp32 params (fp32: the params)
-        self.m = torch.zeros_like(self.master)      # AdamW's first moment, cut like master
-        self.v = torch.zeros_like(self.master)      # ...and its second moment
+        own = dtype != torch.float32 or place.state != "device"  # else the params are the master
+        master = place.host(mine.float(), place.state) if own else mine
+        if place.state == "disk":  # master, m and v live in a file (offload.py), not here
+            place.disk.add(place.index, master)
+            master = None
+        self.master = master                        # fp32 params the optimizer updates
+        self.m = None if master is None else torch.zeros_like(master)  # AdamW's first moment, cut like master
+        self.v = None if master is None else torch.zeros_like(master)  # ...and its second moment
         self.grad = None if sharded["grads"] else torch.zeros_like(self.flat)  # stages 0-1: full bucket
         self.local = None                           # stages 2-3: that bucket, alive only until reduced
         self.reduced = torch.zeros(self.shard_size, dtype=reduce_dtype, device=self.flat.device) \
@@ -243,9 +264,9 @@ def runs(u, lo, hi, hp):
 def update(master, m, v, grad, pieces, hp):
     """AdamW on one range of a unit (the whole buffer, or this rank's chunk): grad is
     the reduced gradient sum there; master, m and v are updated in place."""
-    g = grad.float() * hp.unscale
+    g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
     if hp.coef is not None:
-        g = g * hp.coef
+        g = g * hp.coef.to(g.device)
     for a, b, t, decay in pieces:
         adamw(master[a:b], g[a:b], m[a:b], v[a:b], t, hp.lr, *hp.betas, hp.eps, decay)
 
@@ -280,12 +301,17 @@ def ddp_update(flat, master, m, v, full_grad, pieces, hp):
 
 def zero_update(master, m, v, reduced, pieces, hp, comm, flat, shard):
     """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state,
-    then shares it. Stages 1-2 keep whole params: all-gather the updated chunks into
-    flat (each rank sends (N-1)/N·Ψ_u). Stage 3 keeps only the 16-bit shard, which the
-    next forward gathers: nothing is sent here."""
+    then shares it (share_params)."""
     update(master, m, v, reduced, pieces, hp)
+    share_params(master, comm, flat, shard)
+
+
+def share_params(master, comm, flat, shard):
+    """Stages 1-2 keep whole params: all-gather the updated chunks into flat (each rank
+    sends (N-1)/N·Ψ_u). Stage 3 keeps only the 16-bit shard, which the next forward
+    gathers: nothing is sent here."""
     if shard is None:
-        all_gather(master.to(flat.dtype), comm, out=flat)
+        all_gather(master.to(flat.device, flat.dtype), comm, out=flat)
     elif shard is not master:
         shard.copy_(master)
 
@@ -293,7 +319,7 @@ def zero_update(master, m, v, reduced, pieces, hp, comm, flat, shard):
 def gather_params(shard, flat, comm):
     """Stage 3, before a unit's forward and again before its backward: all-gather every
     rank's 16-bit shard into the unit's flat buffer (each rank sends (N-1)/N·Ψ_u)."""
-    return all_gather(shard, comm, out=flat)
+    return all_gather(shard.to(flat.device), comm, out=flat)  # (a shard offloaded to the host: copied in)
 
 
 def release_params(flat):
@@ -374,13 +400,27 @@ def clip_coef(grad_shards, max_norm, comm):
 # 3. the formulas
 
 
-def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16):
-    """Bytes of model state per rank, for numel (padded) parameters. 16-bit compute:
-    params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ, grads 4Ψ,
-    optimizer 8Ψ (the params are the master). Each is cut N ways once it is sharded."""
+def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False):
+    """Bytes of model state resident per rank, for numel (padded) parameters. 16-bit
+    compute: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ,
+    grads 4Ψ, optimizer 8Ψ (the params are the master). Each is cut N ways once it is
+    sharded. Offloaded state (offloaded_bytes) is not resident: 0 here."""
     d = torch.finfo(dtype).bits // 8
-    per = {"params": d, "grads": d, "optimizer": 8 + (4 if d != 4 else 0)}
+    per = {"params": 0 if offload_params else d, "grads": d,
+           "optimizer": 0 if offload else 8 + (4 if d != 4 else 0)}
     return {k: per[k] * numel // (world_size if cut else 1) for k, cut in sharded(stage).items()}
+
+
+def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False):
+    """{where: bytes} of model state offloaded per rank: the optimizer's fp32 master, m
+    and v (12Ψ/N, with fp32 compute too: the host keeps its own master) to "cpu" or
+    "disk", and with offload_params the 16-bit shard to "cpu"."""
+    out = {}
+    if offload:
+        out[offload] = 12 * numel // world_size
+    if offload_params:
+        out["cpu"] = out.get("cpu", 0) + torch.finfo(dtype).bits // 8 * numel // world_size
+    return out
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1):

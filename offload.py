@@ -1,0 +1,126 @@
+"""
+Disk offload of the optimizer state (ZeRO-Infinity's NVMe offload, on any file system).
+
+Each unit's fp32 master, m and v for this rank's shard live in a file of their own,
+named by process, engine, rank and unit (`*.offload`, never a checkpoint's name). A file
+has two slots, one of them current. A step streams each unit's state in from the current slot (the next unit's
+read runs on an I/O thread while this one is updated), and writes the updated state to
+the other slot. Only when every rank has written every unit do the slots swap and the
+parameters move, so a write that fails (a full disk) leaves the model as it was. Resident
+memory is a few units' state at a time, never the whole optimizer.
+
+Files are preallocated at construction (a disk too small fails there, not mid-run) and
+read and written with pread/pwrite, not mapped, so the page cache is never counted as
+the process's memory. They are removed by Engine.close(), when the engine is collected,
+and at normal interpreter exit.
+"""
+import os
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+F32 = 4  # bytes per element of master, m and v
+
+
+class DiskState:
+    """One rank's optimizer state, every unit's, in files under `folder`."""
+
+    def __init__(self, folder, tag):
+        self.folder = folder                    # where the files live (the user's offload_dir)
+        self.tag = tag                          # process, engine and rank: no two engines share a file
+        self.files = {}                         # unit index -> [file descriptor, path, elements, slot]
+        self.written = set()                    # units whose other slot was written since the last commit
+        self.io = ThreadPoolExecutor(1, thread_name_prefix="minizero-offload")  # reads and writes
+        self.writes = []                        # writes in flight this step
+        self.closer = weakref.finalize(self, _remove, self.files, self.io)  # close(), GC or exit
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, f".{tag}.probe")
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise ValueError(f"offload_dir {folder} cannot be written ({e}); give a directory on a disk "
+                             f"with room for the optimizer state") from None
+
+    def add(self, i, master):
+        """Unit i's file: two slots of master, m, v; slot 0 holds master and zero moments."""
+        n = master.numel()
+        path = os.path.join(self.folder, f"minizero-{self.tag}-unit{i}.offload")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        self.files[i] = [fd, path, n, 0]  # slot 0 holds the state
+        try:
+            os.posix_fallocate(fd, 0, 2 * 3 * n * F32)  # reserved now; reads as zeros
+        except OSError as e:
+            raise ValueError(f"offload_dir {self.folder} has no room for the optimizer state "
+                             f"({2 * 3 * n * F32:,} bytes for {path}: {e})") from None
+        _pwrite(fd, master.detach().float().cpu().contiguous(), 0)
+
+    def read(self, i, count=3):
+        """Unit i's (master, m, v)[:count] as one new fp32 tensor of count·n elements."""
+        fd, path, n, slot = self.files[i]
+        buf = torch.empty(count * n, dtype=torch.float32)
+        offset = slot * 3 * n * F32
+        view = memoryview(buf.numpy()).cast("B")
+        while len(view):
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                raise OSError(f"{path} ends early: the offload file was truncated")
+            view, offset = view[got:], offset + got
+        return buf
+
+    def stream(self, indices, count=3):
+        """Yield (i, state) for each unit i, read from the current slot; the next unit's
+        read runs on the I/O thread while the caller works on this one."""
+        ahead = self.io.submit(self.read, indices[0], count) if indices else None
+        for k, i in enumerate(indices):
+            state = ahead.result()
+            ahead = self.io.submit(self.read, indices[k + 1], count) if k + 1 < len(indices) else None
+            yield i, state
+
+    def write(self, i, state):
+        """Queue unit i's new state (master, m, v in one tensor) for its other slot."""
+        fd, path, n, slot = self.files[i]
+        self.written.add(i)
+        self.writes.append(self.io.submit(_pwrite, fd, state.float().cpu().contiguous(), (1 - slot) * 3 * n * F32))
+
+    def finish(self):
+        """Wait for the queued writes; an OSError (a full disk) comes out here, and then
+        nothing that was written counts."""
+        writes, self.writes = self.writes, []
+        try:
+            for w in writes:
+                w.result()
+        except OSError:
+            self.written.clear()
+            raise
+
+    def commit(self):
+        """The written slots hold the state now."""
+        for i in self.written:
+            self.files[i][3] = 1 - self.files[i][3]
+        self.written.clear()
+
+    def nbytes(self):
+        """Bytes of optimizer state offloaded (the files hold two slots: twice this)."""
+        return sum(3 * f[2] * F32 for f in self.files.values())
+
+    def close(self):
+        self.closer()
+
+
+def _pwrite(fd, t, offset):
+    view = memoryview(t.numpy()).cast("B")
+    while len(view):
+        done = os.pwrite(fd, view, offset)
+        view, offset = view[done:], offset + done
+
+
+def _remove(files, io):
+    io.shutdown(wait=True)
+    for fd, path, *_ in files.values():
+        os.close(fd)
+        if os.path.exists(path):
+            os.remove(path)
+    files.clear()

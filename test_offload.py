@@ -1,0 +1,158 @@
+"""
+Offload (engine.py, offload.py): the optimizer's shard on disk gives the same bits as in
+memory, shows where it went, survives checkpoints both ways, leaves no files behind, and
+a disk that fills mid-step changes nothing. (Bit identity is also drawn in the hypothesis
+suite, test_equivalence.py.)
+"""
+import copy
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import minizero
+import offload
+import ops
+from test_checkpoint import case, train
+from test_equivalence import assert_same, make
+
+torch.set_num_threads(1)
+
+
+def offload_files(folder):
+    return sorted(f for f in os.listdir(folder) if f.endswith(".offload"))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_disk_offload_is_bit_identical_and_shows_where_it_went(tmp_path, stage, dtype):
+    c = case(dtype, grad_accum=2, steps=3)
+    model, batches = make(c)
+    report = minizero.check(lambda: model, lambda s, r, m: batches[s][m][r], world_sizes=(3,), stages=(0, stage),
+                            steps=3, offload="disk", offload_dir=str(tmp_path), **c["engine"])
+    assert report.ok, f"\n{report}"
+
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, stage, offload="disk", offload_dir=str(tmp_path),
+                                 **c["engine"])
+        out = engine.memory(), engine.offloaded(), engine.formula(offloaded=True), engine.numel(), \
+            [f for f in offload_files(tmp_path) if f"rank{comm.rank}-" in f], len(engine.units)
+        engine.close()
+        return out
+    for memory, offloaded, formula, numel, files, units in ops.run_threads(body, 3):
+        assert memory["optimizer"] == 0                                # nothing of AdamW's stays resident
+        assert offloaded == formula == {"disk": 12 * numel // 3}       # fp32 master, m, v of 1/N
+        assert [f.split("-")[-1] for f in files] == [f"unit{i}.offload" for i in range(units)]  # one a unit
+    assert offload_files(tmp_path) == []  # close() removed them
+
+
+def test_offloaded_bytes_formula():
+    """12 bytes per parameter per rank leave (the host keeps its own fp32 master, fp32 compute too)."""
+    assert minizero.offloaded_bytes(64, 4, 3, torch.float32, "disk") == {"disk": 12 * 16}
+    assert minizero.model_state_bytes(64, 4, 3, torch.float32, "disk") == {"params": 64, "grads": 64, "optimizer": 0}
+    assert minizero.offloaded_bytes(64, 4, 3, torch.bfloat16, "cpu", True) == {"cpu": 12 * 16 + 2 * 16}
+
+
+def test_bad_offload_options_are_clear_errors(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    model, _ = make(case("fp32"))
+    for kw, says in [(dict(stage=0, offload="cpu"), "stage 0 .DDP. keeps the whole state"),
+                     (dict(stage=2, offload="disk"), "needs offload_dir="),
+                     (dict(stage=2, offload="nvme"), "must be None, 'cpu' or 'disk'"),
+                     (dict(stage=2, offload_params=True), "use stage 3"),
+                     (dict(stage=2, offload="disk", offload_dir=str(blocker / "sub")), "cannot be written")]:
+        stage = kw.pop("stage")
+        with pytest.raises(RuntimeError, match=says):
+            ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, stage, **kw), 1)
+
+
+def test_cpu_offload_on_a_cpu_run_says_so_and_changes_nothing():
+    model, _ = make(case("bf16"))
+    with pytest.warns(UserWarning, match="already in host memory"):
+        engine = ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3, offload="cpu",
+                                                              offload_params=True, dtype=torch.bfloat16), 1)[0]
+    assert engine.offload is None and engine.offloaded() == {} and engine.memory() == engine.formula()
+    assert engine.memory()["optimizer"] > 0
+
+
+def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
+    """Rank 1's second unit cannot be written: every rank raises, naming rank 1 and the
+    error; params, moments and step counts are as before; with room again, training goes on."""
+    c = case("bf16", steps=3)
+    model, batches = make(c)
+    real = offload._pwrite
+    full = {"on": False}
+
+    def pwrite(fd, t, pos):
+        if full["on"] and os.readlink(f"/proc/self/fd/{fd}").endswith("rank1-unit1.offload"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, t, pos)
+    monkeypatch.setattr(offload, "_pwrite", pwrite)
+
+    def body(comm):
+        engine = minizero.Engine(copy.deepcopy(model), comm, 3, offload="disk", offload_dir=str(tmp_path),
+                                 **c["engine"])
+        m = engine.model
+        def step(k):
+            for micro in batches[k]:
+                engine.backward(m(*micro[comm.rank]))
+            return engine.step()
+        step(0)
+        before = engine.full_state_dict(), [engine.optimizer_state(u)["v"].clone() for u in engine.units], \
+            [list(u.steps) for u in engine.units], engine.t
+        full["on"] = True
+        comm_error = None
+        try:
+            step(1)
+        except RuntimeError as e:
+            comm_error = str(e)
+        full["on"] = False
+        after = engine.full_state_dict(), [engine.optimizer_state(u)["v"] for u in engine.units], \
+            [list(u.steps) for u in engine.units], engine.t
+        assert_same(before[0], after[0])
+        assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])) and before[2:] == after[2:]
+        went_on = step(2) and engine.t == 2 and not torch.equal(engine.full_state_dict()["emb.weight"],
+                                                                 before[0]["emb.weight"])
+        engine.close()
+        return comm_error, went_on
+    errors = ops.run_threads(body, 3)
+    for error, went_on in errors:
+        assert "rank(s) [1] could not write the offloaded optimizer state" in error and went_on
+    assert "No space left on device" in errors[1][0]  # the rank that failed says why
+    assert offload_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("first, then", [("disk", None), (None, "disk")])
+def test_resume_with_offload_on_or_off_is_bit_for_bit(tmp_path, first, then):
+    c = case("bf16", steps=4)
+    model, batches = make(c)
+    ckpt, scratch = str(tmp_path / "ckpt"), str(tmp_path / "scratch")
+    kw = lambda how: dict(c["engine"], offload=how, offload_dir=scratch) if how else c["engine"]  # noqa: E731
+    whole = ops.run_threads(train, 3, 2, model, batches, kw(None), None, None, ckpt)
+    ops.run_threads(train, 3, 2, model, batches[:2], kw(first), 1, None, ckpt)
+    resumed = ops.run_threads(train, 3, 2, model, batches[2:], kw(then), None, True, ckpt)
+    for a, b in zip(whole[0][2:], resumed[0]):
+        assert_same(a, b)
+    assert offload_files(scratch) == [] and "manifest.json" not in os.listdir(scratch)  # scratch is no checkpoint
+
+
+def test_offload_files_go_at_normal_exit(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, minizero, ops
+        def body(comm):
+            global keep  # alive until the interpreter exits: no close() is called
+            keep = minizero.Engine(torch.nn.Linear(4, 4), comm, 2, offload="disk", offload_dir={str(tmp_path)!r})
+            mine = f"rank{{comm.rank}}-"
+            return len([f for f in __import__("os").listdir({str(tmp_path)!r}) if mine in f])
+        print(ops.run_threads(body, 2))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1, 1]"  # each rank had its one unit's file while it ran
+    assert offload_files(tmp_path) == []
