@@ -5,7 +5,7 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
     python bench.py                      # the timing table, world size 2
     python bench.py --world-size 4
     python bench.py --quick              # CI: tiny model, one rep, a few rows (< 1 min)
-    python bench.py --max-model          # largest GPT per rank budget, stage 0 vs 3, world size 4
+    python bench.py --max-model          # largest GPT per rank budget: DDP, FSDP2, stage 3 (+ disk), 4 ranks
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
@@ -18,12 +18,14 @@ only that variant. "+model" is the peak above the rank's RSS after a tiny warm-u
 ~300 MiB of torch libraries and lazily loaded kernels are baseline). Memory worlds run with
 glibc's mmap threshold fixed (run_measured), so RSS follows the tensors alive.
 
---max-model: fresh 4-rank worlds train a wide GPT of n_layer blocks for two steps, at
-stage 0 and at stage 3; the largest n_layer whose peak above baseline fits --budget-mb.
+--max-model: fresh 4-rank worlds train a wide GPT of n_layer blocks for two steps, as DDP
+(stage 0), torch FSDP2, stage 3, and stage 3 with the optimizer state on disk; the largest
+n_layer whose peak above baseline fits --budget-mb.
 """
 import argparse
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 
@@ -63,17 +65,22 @@ class Variant:
     stage: int = 0
     native: bool = False
     overlap: bool = True
+    offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
+
+
+OFFLOAD_DIR = os.path.join(tempfile.gettempdir(), "minizero-bench-offload")  # (on a disk, not tmpfs, here)
 
 
 def variants(quick):
     ours = lambda s, native, ov=True: Variant(f"stage{s}-{'native' if native else 'ring'}{'' if ov else '-noovl'}",
                                               "zero", s, native, ov)  # noqa: E731
     torch_rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2")]
+    disk = Variant("stage3-ring-disk", "zero", 3, offload="disk")
     if quick:  # just what the summary line needs
-        return torch_rows + [ours(0, False), ours(0, True), ours(3, False), ours(3, True), ours(3, True, False)]
+        return torch_rows + [ours(0, False), ours(0, True), ours(3, False), ours(3, True), ours(3, True, False), disk]
     # overlap (the reduce-scatter during backward; at stage 3 also the prefetch) at both ends
     return torch_rows + [ours(s, f, ov) for s in (0, 1, 2, 3) for f in (False, True)
-                         for ov in ((True, False) if s in (0, 3) else (True,))]
+                         for ov in ((True, False) if s in (0, 3) else (True,))] + [disk]
 
 
 # -----------------------------------------------------------------------------
@@ -87,7 +94,8 @@ def build(v, comm, gcfg):
         # native=None: the engine leaves comm.native alone; we set it per step, since every
         # engine in this world shares one communicator
         engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                 decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None)
+                                 decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
+                                 offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None)
 
         def step(x, y):
             comm.native = v.native
@@ -155,7 +163,10 @@ def warm_baseline(v, comm, cfg):
     """Train one step of a tiny model the variant's way, then return RSS: torch's lazily
     loaded kernels and machinery count as baseline, not as the model's memory."""
     tiny = replace(cfg, n_layer=1, n_embd=32, n_head=1)
-    build(v, comm, gpt_config(tiny))[0](*batches(tiny, comm.rank, 1)[0])
+    step, engine = build(v, comm, gpt_config(tiny))
+    step(*batches(tiny, comm.rank, 1)[0])
+    if engine is not None:
+        engine.close()
     return rss_now()
 
 
@@ -206,6 +217,9 @@ def time_world(comm, cfg):
             t0 = time.perf_counter()
             run(v, step, cfg.steps)
             out[v.name]["times"].append((time.perf_counter() - t0) / cfg.steps)
+    for _, engine in built:
+        if engine is not None:
+            engine.close()
     return out
 
 
@@ -216,7 +230,10 @@ def memory_world(comm, cfg, v, n_layer=None):
     step, engine = build(v, comm, gpt_config(cfg, n_layer))
     for x, y in batches(cfg, comm.rank, 2):  # the second step has all the optimizer state
         step(x, y)
-    return minizero.peak_memory("cpu"), base, engine.numel() if engine else None
+    peak = minizero.peak_memory("cpu")
+    if engine is not None:
+        engine.close()  # (workers leave by os._exit, so no finalizer would remove offload files)
+    return peak, base, engine.numel() if engine else None
 
 
 # -----------------------------------------------------------------------------
@@ -263,6 +280,7 @@ def bench(cfg):
           f"  peak RSS: max over ranks, a fresh world per row; +model: above the RSS after a tiny warm-up\n"
           f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
 
+    disk = ms["stage3-ring-disk"] / ms["stage3-ring"]
     s0, s3 = ms["stage0-native"] / ddp, ms["stage3-native"] / fsdp
     ovl = ms["stage3-native"] / ms["stage3-native-noovl"]
     ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-native"] for s in range(4) if f"stage{s}-ring" in ms}
@@ -272,25 +290,33 @@ def bench(cfg):
           f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
           f"(worst stage: {worst})")
     print(f"summary: stage0-native/ddp {s0:.2f}x  stage3-native/fsdp2 {s3:.2f}x  "
-          f"stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x")
+          f"stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in memory "
+          f"{disk:.2f}x")
+
+
+MAX_MODEL_ROWS = [Variant("stage0-ring", "zero", 0), Variant("torch-fsdp2", "fsdp2"),
+                  Variant("stage3-ring", "zero", 3), Variant("stage3-ring-disk", "zero", 3, offload="disk")]
 
 
 def max_model(cfg):
-    """The largest n_layer whose measured per-rank peak (above baseline) fits the budget,
-    for stage 0 and stage 3: a secant search (peak RSS is near-linear in n_layer) that
-    ends only when both sides of the boundary are measured, n fits and n + 1 does not."""
+    """For each row (DDP, torch FSDP2, stage 3, stage 3 with the optimizer on disk), the
+    largest n_layer whose measured per-rank peak (above baseline) fits the budget: a secant
+    search (peak RSS is near-linear in n_layer) that ends only when both sides of the
+    boundary are measured, n fits and n + 1 does not. Disk offload reads and writes its
+    files (pread/pwrite, never mapped), so page cache is no part of this RSS: it is the
+    anonymous memory."""
     N, budget, t_start = cfg.world_size, cfg.budget_mb * MiB, time.time()
     print(f"max model: GPT of width {cfg.n_embd}, batch {cfg.batch}x{cfg.block}, {N} gloo CPU ranks, fp32, "
           f"ring; budget {cfg.budget_mb} MiB of peak RSS per rank above baseline", flush=True)
     found = {}
-    for stage in (0, 3):
+    for v in MAX_MODEL_ROWS:
         seen = {}  # n_layer -> (peak above baseline, max over ranks; Psi)
         n, lo, hi = 1, 0, None  # lo: largest n that fits so far; hi: smallest that does not
         while hi is None or hi > lo + 1:
-            per_rank = run_measured(memory_world, N, cfg, Variant(f"stage{stage}-ring", "zero", stage), n)
-            seen[n] = (max(p - b for p, b, _ in per_rank), per_rank[0][2])
+            per_rank = run_measured(memory_world, N, cfg, v, n)
+            seen[n] = (max(p - b for p, b, _ in per_rank), per_rank[0][2] or GPT(gpt_config(cfg, n)).num_params())
             fits = seen[n][0] <= budget
-            print(f"  stage {stage}, {n:3d} layers ({seen[n][1] / 1e6:6.1f}M params): peak "
+            print(f"  {v.name}, {n:3d} layers ({seen[n][1] / 1e6:6.1f}M params): peak "
                   f"{seen[n][0] / MiB:6.0f} MiB, {'fits' if fits else 'too big'}", flush=True)
             lo, hi = (n, hi) if fits else (lo, n)
             if hi == 1:
@@ -302,17 +328,20 @@ def max_model(cfg):
             n = min(n, hi - 1) if hi else n
         a = min((k for k in seen if 1 < k < lo), default=None)  # the widest span past the first layer
         per_layer = (seen[lo][0] - seen[a][0]) / (lo - a) if a else float("nan")
-        formula = sum(minizero.model_state_bytes(seen[lo][1] - seen[a][1], N, stage, torch.float32).values()) \
-            / (lo - a) if a else float("nan")
-        found[stage] = (lo, seen[lo][1] if lo else 0)
-        print(f"  stage {stage}: largest {lo} layers; near it {per_layer / MiB:.1f} MiB per layer measured, "
-              f"{formula / MiB:.1f} by the formula 16Psi{'/N' if stage == 3 else ''} (fp32 params, "
-              f"grads, Adam m and v)", flush=True)
-    (l0, p0), (l3, p3) = found[0], found[3]
-    print(f"largest fitting: stage 0 {l0} layers ({p0 / 1e6:.1f}M params), stage 3 {l3} layers "
-          f"({p3 / 1e6:.1f}M params) ({time.time() - t_start:.0f} s)")
+        stage = 3 if v.kind == "fsdp2" else v.stage
+        formula = sum(minizero.model_state_bytes(seen[lo][1] - seen[a][1], N, stage, torch.float32,
+                                                 v.offload).values()) / (lo - a) if a else float("nan")
+        found[v.name] = (lo, seen[lo][1] if lo else 0)
+        print(f"  {v.name}: largest {lo} layers; near it {per_layer / MiB:.1f} MiB per layer measured, "
+              f"{formula / MiB:.1f} by the formula (fp32: {'4+4 of 16 bytes' if v.offload else '16 bytes'}"
+              f"{'/N' if stage == 3 else ''} per parameter resident)", flush=True)
+    print(f"largest fitting ({time.time() - t_start:.0f} s): " + ", ".join(
+        f"{name} {lo} layers ({p / 1e6:.1f}M params)" for name, (lo, p) in found.items()))
+    p = {name: params for name, (_, params) in found.items()}
     print(f"summary: max model at {N} ranks, {cfg.budget_mb} MiB/rank: stage3/stage0 "
-          f"{p3 / max(p0, 1):.2f}x params ({l3}/{l0} layers; ideal near {N}x)")
+          f"{p['stage3-ring'] / max(p['stage0-ring'], 1):.2f}x, stage3/fsdp2 "
+          f"{p['stage3-ring'] / max(p['torch-fsdp2'], 1):.2f}x, stage3+disk/stage3 "
+          f"{p['stage3-ring-disk'] / max(p['stage3-ring'], 1):.2f}x params")
 
 
 if __name__ == "__main__":

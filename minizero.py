@@ -449,7 +449,7 @@ def peak_memory(device):
 #   python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] ...
 
 
-def plan(params, world_size, dtype=torch.bfloat16, memory=None):
+def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
     """Lines of the planner's table, from the same formulas the tests hold the engine to."""
     if not (math.isfinite(params) and params >= 1):
         raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
@@ -458,22 +458,27 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None):
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
-    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"]]
+    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
     for stage in range(4):
-        b = model_state_bytes(numel, world_size, stage, dtype)
+        off = offload if stage else None  # stage 0 keeps the whole state on the device
+        b = model_state_bytes(numel, world_size, stage, dtype, off)
         sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype).values())
         gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
+        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off).values())] if offload else []
         rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
         if memory:
-            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype).values()) / world_size
+            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype, off).values()) / world_size
             rows[-1].append(f"{memory / per_param:.3g} parameters")
     if memory:
         rows[0].append("largest model that fits")
-    widths = [2 + max(len(r[i]) for r in rows) for i in range(6)]  # so that numbers never run together
+    cols = 7 if offload else 6
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]  # so that numbers never run together
     title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
-             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)")
-    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:6], widths[1:]))
-                      + "".join("  " + c for c in r[6:]) for r in rows]
+             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
+             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master, m, v in {offload} "
+                f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
+                      + "".join("  " + c for c in r[cols:]) for r in rows]
 
 
 BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory
@@ -505,10 +510,12 @@ def main(argv):
         ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
         ap.add_argument("--memory", help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
                                          "also print the largest model per stage")
+        ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
+                                                                   "(stages 1-3): print what stays resident")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-        print("\n".join(plan(a.params, a.world_size, dtype, memory)))
+        print("\n".join(plan(a.params, a.world_size, dtype, memory, a.offload)))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
         sys.exit(2)

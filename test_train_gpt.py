@@ -1,6 +1,7 @@
 """Tests for train_gpt.py: the DeepSpeed config mapping, the model, the data, and (with
 minizero) a short training run whose loss curve is the same bits at stage 0 and stage 3."""
 import json
+import os
 import math
 
 import pytest
@@ -201,6 +202,28 @@ def test_save_at_two_ranks_stage3_resume_at_three_ranks_stage1(tmp_path):
     second = ops.run_threads(tg.train, 3, cfg)[0]
     assert second["train"][0][0] == 6 and second["val"][0] == first["val"][-1]
     assert second["val"][-1][1] < second["val"][0][1]
+
+
+def test_ds_offload_keys():
+    ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/scratch",
+                                                                   "pin_memory": False}}}
+    assert tg.parse_ds_config(ds) == dict(stage=3, offload="disk", offload_dir="/scratch", pin_memory=False)
+    assert tg.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "none"}}}) == {"offload": None}
+    with pytest.raises(ValueError, match="'zero_optimization.offload_optimizer.device' must be"):
+        tg.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
+    for argv, says in [(["--offload", "disk", "--stage", "0"], "stage 0"), (["--offload", "disk"], "--offload-dir")]:
+        with pytest.raises(ValueError, match=says):
+            tg.check_config(tg.parse_args(argv))
+
+
+def test_train_with_disk_offload_is_the_same_run(tmp_path):
+    """--offload disk: the same loss curve and sample, to the bit, at stage 3; the memory
+    lines move the optimizer to disk; no file stays behind."""
+    cfg = {**TINY, "stage": 3, "steps": 4, "eval_interval": 2}
+    plain = ops.run_threads(tg.train, 2, cfg)[0]
+    off = ops.run_threads(tg.train, 2, {**cfg, "offload": "disk", "offload_dir": str(tmp_path)})[0]
+    assert (off["train"], off["val"], off["sample"]) == (plain["train"], plain["val"], plain["sample"])
+    assert off["memory"]["optimizer"] == 0 < plain["memory"]["optimizer"] and os.listdir(tmp_path) == []
 
 
 def test_train_batch_size_must_divide_by_world_size():

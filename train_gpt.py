@@ -187,7 +187,7 @@ DEFAULTS = dict(
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
-    sample_tokens=200, global_batch=None,
+    sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True,
 )
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,6 +209,11 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
                                "a pair of numbers"),
     "optimizer.params.eps": ("eps", _num, "a number >= 0"),
     "optimizer.params.weight_decay": ("weight_decay", _num, "a number >= 0"),
+    "zero_optimization.offload_optimizer.device": ("offload", lambda v: v in ("none", "cpu", "nvme"),
+                                                   "'none', 'cpu' or 'nvme'"),
+    "zero_optimization.offload_optimizer.nvme_path": ("offload_dir", lambda v: isinstance(v, str) and v,
+                                                      "a directory"),
+    "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool, "true or false"),
 }
 
 
@@ -235,6 +240,8 @@ def parse_ds_config(ds):
         out["dtype"] = "bfloat16" if out.get("bf16") else "float16" if out.get("fp16") else "float32"
     if "clip" in out:
         out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
+    if "offload" in out:  # DeepSpeed's NVMe offload is minizero's disk offload
+        out["offload"] = {"none": None, "cpu": "cpu", "nvme": "disk"}[out["offload"]]
     return {k: v for k, v in out.items() if k not in ("bf16", "fp16", "optimizer")}
 
 
@@ -253,6 +260,8 @@ def parse_args(argv=None):
     for name in ("lr", "min-lr", "clip"):
         opt("--" + name, float)
     opt("--out-dir", str, "save a checkpoint here every eval interval")
+    opt("--offload", str, "the optimizer's shard in host memory or in files (stages 1-3)", choices=["cpu", "disk"])
+    opt("--offload-dir", str, "with --offload disk: the directory of its files")
     opt("--resume", None, "continue from --out-dir", action="store_true", default=None)
     opt("--data", str, "train on this text file; None: the standard library's sources")
     opt("--native", None, "torch's own collectives instead of the ring; None: on under torchrun on GPUs",
@@ -304,6 +313,12 @@ def check_config(cfg):
                              "give a directory you can write to")
     if cfg["resume"]:
         check_resume(cfg["out_dir"], cfg["steps"])
+    if cfg["offload"] and cfg["stage"] == 0:
+        raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
+                         "state on every rank: use --stage 1, 2 or 3")
+    if cfg["offload"] == "disk" and not cfg["offload_dir"]:
+        raise ValueError("--offload disk needs --offload-dir (DeepSpeed: offload_optimizer.nvme_path), "
+                         "a directory on the disk the optimizer state should live on")
     return cfg
 
 
@@ -383,12 +398,16 @@ def train(comm, cfg):
     n_params = model.num_params()
     engine = minizero.Engine(model, comm, c.stage, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
                              weight_decay=c.weight_decay, decay=lambda name, p: p.dim() >= 2,
-                             dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None)
+                             dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None, offload=c.offload,
+                             offload_dir=c.offload_dir, pin_memory=c.pin_memory)
     log(f"{N} ranks, ZeRO stage {c.stage}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
         f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
     mem, formula = engine.memory(), engine.formula()
     for k in mem:
         log(f"  model state per rank, {k:9s}: {fmt_bytes(mem[k]):>12} measured, {fmt_bytes(formula[k]):>12} formula")
+    for where, n in engine.offloaded().items():
+        log(f"  offloaded per rank to {where:5s}: {fmt_bytes(n):>12} measured, "
+            f"{fmt_bytes(engine.formula(offloaded=True)[where]):>12} formula (the optimizer's fp32 master, m, v)")
 
     start = 0
     if c.resume:  # at any world size and stage: the engine re-cuts the saved vectors
@@ -452,7 +471,7 @@ def train(comm, cfg):
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
     log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s"
-        + (f", {skipped} fp16 steps skipped" if skipped else ""))
+        + (f", {skipped} steps skipped for non-finite gradients" if skipped else ""))
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
         "the rest is activations, buffers and (on CPU) torch itself")
@@ -462,6 +481,7 @@ def train(comm, cfg):
                          generator=torch.Generator(device).manual_seed(c.seed))
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     log("-" * 40 + "\n" + sample + "\n" + "-" * 40)
+    engine.close()  # (disk offload: its files go now)
     return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
                 n_params=n_params, skipped=skipped, sample=sample)
 
