@@ -20,8 +20,8 @@ import torch
 import checkpoint
 from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update,
                       default_units, gather_params, group_params, model_state_bytes, offloaded_bytes, reduce_grads,
-                      release_params, runs, share_params, sharded, tensors, update, zero_update)
-from offload import DiskState
+                      release_params, runs, sharded, tensors, zero_update)
+from offload import DiskState, disk_update
 from ops import Pending, all_gather, broadcast
 
 
@@ -374,8 +374,8 @@ class Engine:
         before = [u.steps for u in self.units]
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
-        if self.disk is not None:
-            self._disk_update(hp, before)
+        if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
+            disk_update(self, hp, before)
         for u in self.units if self.disk is None else []:
             if self.sharded["optimizer"]:
                 lo = self.comm.rank * u.shard_size
@@ -391,34 +391,6 @@ class Engine:
             if self.clean_steps % self.scale_window == 0:
                 self.scale *= 2
         return True
-
-    def _disk_update(self, hp, before):
-        """Stages 1-3 with the optimizer state on disk (offload.py). Each unit's master, m
-        and v stream in (the next unit's read runs alongside), are updated on the host and
-        stream out to the files' other slot. Only once every rank has written every unit
-        (one small collective) do the slots swap and the params follow, as in zero_update:
-        a failed write (a full disk) leaves params, moments and step counts as they were."""
-        error, units = "", range(len(self.units))
-        try:
-            for i, state in self.disk.stream(units):
-                u, lo = self.units[i], self.comm.rank * self.units[i].shard_size
-                update(*state.view(3, -1), u.reduced, runs(u, lo, lo + u.shard_size, hp), hp)
-                self.disk.write(i, state)
-            self.disk.finish()
-        except OSError as e:
-            error = str(e)
-        done = all_gather(torch.tensor([0.0 if error else 1.0], device=self.device), self.comm, kind="offload")
-        if not done.all():
-            for u, steps in zip(self.units, before):
-                u.steps = steps
-            self._drop_grads()
-            failed = [k for k, x in enumerate(done.tolist()) if not x]
-            raise RuntimeError(f"step {self.t + 1} not taken: rank(s) {failed} could not write the offloaded "
-                               f"optimizer state to {self.disk.folder} ({error or 'see that rank'}); params, "
-                               f"moments and step counts are as they were. Free space there and train on")
-        self.disk.commit()
-        for i, master in self.disk.stream(units, count=1):
-            share_params(master, self.comm, self.units[i].flat, self.units[i].shard)
 
     def _agree(self):
         """One small collective per step (kind "flags", booked apart from Ψ): whether every

@@ -26,9 +26,7 @@ DDP. DESIGN.md has the whole argument.
 """
 import argparse
 import dataclasses
-import hashlib
 import math
-import os
 import resource
 import sys
 from itertools import accumulate, chain
@@ -37,8 +35,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
+import checkpoint
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
-from ops import all_gather, all_reduce, broadcast, reduce_scatter
+from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -177,31 +176,16 @@ class Unit:
 
 
 def check_same_model(model, comm):
-    """Collective (kind "fingerprint"): every rank must have built the same model: the
-    same names, shapes, dtypes, trainability and ties of every parameter and buffer.
-    Otherwise raise on every rank, naming the first difference as both ranks see it."""
+    """Collective: every rank must have built the same model, the same names, shapes,
+    dtypes, trainability and ties of every parameter and buffer (each later collective's
+    size depends on it). Otherwise raise on every rank, naming the first difference."""
     entries, first = [], {}
     for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
         tie = first.setdefault(id(t), n)
         entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
                        + (" trainable" if t.requires_grad else "") + (f" = {tie}" if tie != n else ""))
-    if comm.world_size == 1:
-        return
-    digest = [int.from_bytes(hashlib.sha256(e.encode()).digest()[:8], "little", signed=True) for e in entries]
-    whole = int.from_bytes(hashlib.sha256("\n".join(entries).encode()).digest()[:8], "little", signed=True)
-    heads = all_gather(torch.tensor([len(entries), whole]), comm, kind="fingerprint").view(-1, 2)
-    if (heads == heads[0]).all():
-        return
-    longest = int(heads[:, 0].max())
-    mine = torch.zeros(longest, dtype=torch.int64)
-    mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
-    table = all_gather(mine, comm, kind="fingerprint").view(comm.world_size, -1)
-    i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest) if table[k, i] != table[0, i])
-    say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
-    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8), comm, kind="fingerprint").view(comm.world_size, -1)
-    theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
-    raise ValueError(f"the ranks built different models: parameter/buffer #{i} is '{theirs[0]}' on rank 0 "
-                     f"but '{theirs[1]}' on rank {k}; build the same model on every rank before Engine(...)")
+    check_same(entries, comm, "the ranks built different models: parameter/buffer", "build the same model on "
+               "every rank before Engine(...)")
 
 
 # -----------------------------------------------------------------------------
@@ -503,7 +487,7 @@ def main(argv):
         sys.exit(check_main(argv[1:]))
     try:
         if argv[:1] == ["consolidate"]:
-            return consolidate_cli(argv[1:])
+            return checkpoint.main(argv[1:])
         ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
         ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
         ap.add_argument("--world-size", type=int, required=True)
@@ -519,20 +503,6 @@ def main(argv):
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def consolidate_cli(args):
-    if len(args) != 2:
-        raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
-    path, out = args
-    folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
-    if os.path.isdir(out):
-        raise ValueError(f"OUT {out} is a directory; give a file name, like {os.path.join(out, 'model.pt')}")
-    if not os.path.isdir(folder):
-        raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
-    state = consolidate(path)
-    torch.save(state, out)
-    print(f"wrote {len(state)} tensors to {out}; model.load_state_dict(torch.load(...)) takes them")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from minizero import runs, share_params, update
+from ops import all_gather
+
 F32 = 4  # bytes per element of master, m and v
 
 
@@ -108,6 +111,36 @@ class DiskState:
 
     def close(self):
         self.closer()
+
+
+def disk_update(engine, hp, before):
+    """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master,
+    m and v stream in (the next unit's read runs alongside), are updated on the host
+    (minizero.update) and stream out to the files' other slot. Only once every rank has
+    written every unit (one small collective) do the slots swap and the params follow,
+    as in zero_update (share_params): a failed write (a full disk) leaves params, moments
+    and step counts (`before`, restored) as they were."""
+    disk, units, error = engine.disk, engine.units, ""
+    try:
+        for i, state in disk.stream(range(len(units))):
+            u, lo = units[i], engine.comm.rank * units[i].shard_size
+            update(*state.view(3, -1), u.reduced, runs(u, lo, lo + u.shard_size, hp), hp)
+            disk.write(i, state)
+        disk.finish()
+    except OSError as e:
+        error = str(e)
+    done = all_gather(torch.tensor([0.0 if error else 1.0], device=engine.device), engine.comm, kind="offload")
+    if not done.all():
+        for u, steps in zip(units, before):
+            u.steps = steps
+        engine._drop_grads()
+        failed = [k for k, x in enumerate(done.tolist()) if not x]
+        raise RuntimeError(f"step {engine.t + 1} not taken: rank(s) {failed} could not write the offloaded "
+                           f"optimizer state to {disk.folder} ({error or 'see that rank'}); params, moments "
+                           f"and step counts are as they were. Free space there and train on")
+    disk.commit()
+    for i, master in disk.stream(range(len(units)), count=1):
+        share_params(master, engine.comm, units[i].flat, units[i].shard)
 
 
 def _pwrite(fd, t, offset):

@@ -18,6 +18,7 @@ Two transports run the same ring code:
     init_from_env()                       ranks started by torchrun, any number of nodes
 """
 import ctypes
+import hashlib
 import os
 import pickle
 import queue
@@ -422,3 +423,26 @@ def broadcast(x, comm, src=0, kind="broadcast"):
     if (r + 1) % n != src:
         comm.send(buf, (r + 1) % n, kind)
     return x
+
+
+def check_same(entries, comm, what, fix, kind="fingerprint"):
+    """Collective: every rank must hold the same list of strings. Two small all-gathers
+    when they agree (a count and a hash); else every rank raises, naming the first entry
+    that differs as rank 0 and the first other rank with it see it. Sizes agree on every
+    rank at every step, so this works without message headers (check=False) too."""
+    if comm.world_size == 1:
+        return
+    digest = [int.from_bytes(hashlib.sha256(e.encode()).digest()[:8], "little", signed=True) for e in entries]
+    whole = int.from_bytes(hashlib.sha256("\n".join(entries).encode()).digest()[:8], "little", signed=True)
+    heads = all_gather(torch.tensor([len(entries), whole]), comm, kind=kind).view(-1, 2)
+    if (heads == heads[0]).all():
+        return
+    longest = int(heads[:, 0].max())
+    mine = torch.zeros(longest, dtype=torch.int64)
+    mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
+    table = all_gather(mine, comm, kind=kind).view(comm.world_size, -1)
+    i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest) if table[k, i] != table[0, i])
+    say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
+    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8), comm, kind=kind).view(comm.world_size, -1)
+    theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
+    raise ValueError(f"{what} #{i} is '{theirs[0]}' on rank 0 but '{theirs[1]}' on rank {k}; {fix}")
