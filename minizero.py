@@ -158,7 +158,12 @@ class Unit:
 def check_same_model(model, comm):
     """Collective (kind "fingerprint"): every rank must have built the same model: the
     same names, shapes, dtypes, trainability and ties of every parameter and buffer.
-    Otherwise raise on every rank, naming the first difference as both ranks see it."""
+    Otherwise raise on every rank, naming the first difference as both ranks see it.
+    First, the model must be on the device the communicator moves tensors on."""
+    device = next(model.parameters()).device
+    if device != comm.device:  # (a GPU model on CPU thread ranks would run all their backwards on one thread)
+        raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
+                         f"move it there first: model.to(comm.device)")
     entries, first = [], {}
     for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
         tie = first.setdefault(id(t), n)
@@ -168,16 +173,18 @@ def check_same_model(model, comm):
         return
     digest = [int.from_bytes(hashlib.sha256(e.encode()).digest()[:8], "little", signed=True) for e in entries]
     whole = int.from_bytes(hashlib.sha256("\n".join(entries).encode()).digest()[:8], "little", signed=True)
-    heads = all_gather(torch.tensor([len(entries), whole]), comm, kind="fingerprint").view(-1, 2)
+    dev = comm.device  # NCCL moves only CUDA tensors; the comparisons below run on the CPU
+    heads = all_gather(torch.tensor([len(entries), whole], device=dev), comm, kind="fingerprint").view(-1, 2).cpu()
     if (heads == heads[0]).all():
         return
     longest = int(heads[:, 0].max())
     mine = torch.zeros(longest, dtype=torch.int64)
     mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
-    table = all_gather(mine, comm, kind="fingerprint").view(comm.world_size, -1)
+    table = all_gather(mine.to(dev), comm, kind="fingerprint").view(comm.world_size, -1).cpu()
     i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest) if table[k, i] != table[0, i])
     say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
-    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8), comm, kind="fingerprint").view(comm.world_size, -1)
+    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8).to(dev), comm,
+                      kind="fingerprint").view(comm.world_size, -1).cpu()
     theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
     raise ValueError(f"the ranks built different models: parameter/buffer #{i} is '{theirs[0]}' on rank 0 "
                      f"but '{theirs[1]}' on rank {k}; build the same model on every rank before Engine(...)")
@@ -320,14 +327,19 @@ def tensors(x):
 
 def cast_floats(x, dtype):
     """x with every float tensor in dtype, also inside tuples, lists and dicts."""
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def map_tensors(x, fn):
+    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
     if torch.is_tensor(x):
-        return x.to(dtype) if x.is_floating_point() else x
+        return fn(x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(cast_floats(y, dtype) for y in x))
+        return type(x)(*(map_tensors(y, fn) for y in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(cast_floats(y, dtype) for y in x)
+        return type(x)(map_tensors(y, fn) for y in x)
     if isinstance(x, dict):
-        return type(x)((k, cast_floats(v, dtype)) for k, v in x.items())
+        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
     return x
 
 
