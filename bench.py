@@ -6,6 +6,7 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
     python bench.py --world-size 4
     python bench.py --quick              # CI: tiny model, one rep, a few rows (< 1 min)
     python bench.py --max-model          # largest GPT per rank budget: DDP, FSDP2, stage 3 (+ disk), 4 ranks
+    python bench.py --gpu [--quick]      # gpu_check.sh: overhead over a plain torch loop, rows on CUDA
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
@@ -89,7 +90,7 @@ def variants(quick):
 
 def build(v, comm, gcfg):
     """The same GPT (same seed, so the same weights) wrapped the variant's way."""
-    model = GPT(gcfg, torch.Generator().manual_seed(1337))
+    model = GPT(gcfg, torch.Generator().manual_seed(1337)).to(comm.device)
     if v.kind == "zero":
         # native=None: the engine leaves comm.native alone; we set it per step, since every
         # engine in this world shares one communicator
@@ -124,10 +125,10 @@ def build(v, comm, gcfg):
     return step, None
 
 
-def batches(cfg, rank, n):
+def batches(cfg, rank, n, device="cpu"):
     """n fixed batches of random tokens for this rank: every variant sees the same ones."""
     g = torch.Generator().manual_seed(1000 + rank)
-    x = torch.randint(0, 256, (n, cfg.batch, cfg.block + 1), generator=g)
+    x = torch.randint(0, 256, (n, cfg.batch, cfg.block + 1), generator=g).to(device)
     return [(b[:, :-1].contiguous(), b[:, 1:].contiguous()) for b in x]
 
 
@@ -186,7 +187,7 @@ def time_world(comm, cfg):
     torch.set_num_threads(1)
     gcfg = gpt_config(cfg)
     built = [build(v, comm, gcfg) for v in cfg.variants]
-    data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps)
+    data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps, comm.device)
     out = {v.name: dict(times=[], sent=None, loss=None, numel=None) for v in cfg.variants}
     k = {v.name: 0 for v in cfg.variants}  # each variant walks the same batches in the same order
 
@@ -344,18 +345,109 @@ def max_model(cfg):
           f"{p['stage3-ring-disk'] / max(p['stage3-ring'], 1):.2f}x params")
 
 
+# -----------------------------------------------------------------------------
+# --gpu (gpu_check.sh): minizero against a plain torch loop on one GPU, and the native
+# rows on CUDA. Without CUDA the same code runs, tiny, on the CPU: it proves it starts.
+
+
+def plain_vs_engine(comm, cfg):
+    """One rank trains the same GPT two ways, alternating reps: a plain torch loop (AdamW
+    unfused, bf16 autocast on GPU, as nanoGPT) and minizero's stage-0 engine (bf16 params,
+    fp32 master). Returns {name: [seconds per step, per rep]} and the last losses."""
+    cuda = comm.device.type == "cuda"
+    data = batches(cfg, 0, cfg.warmup + cfg.reps * cfg.steps, comm.device)
+    plain = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
+    groups = [{"params": [p for p in plain.parameters() if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in plain.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=False, foreach=cuda)
+    ours = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
+    engine = minizero.Engine(ours, comm, 0, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, native=True,
+                             decay=lambda name, p: p.dim() >= 2, dtype=torch.bfloat16 if cuda else torch.float32)
+
+    def plain_step(x, y):
+        with torch.autocast(comm.device.type, torch.bfloat16, enabled=cuda):
+            loss = plain(x, y)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def engine_step(x, y):
+        loss = ours(x, y)[1]
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    steps = {"plain": plain_step, "minizero": engine_step}
+    out = {name: [] for name in steps}
+    for step in steps.values():
+        for x, y in data[:cfg.warmup]:
+            step(x, y)
+    for rep in range(cfg.reps):
+        batch = data[cfg.warmup + rep * cfg.steps:][:cfg.steps]
+        for name in list(steps)[::1 if rep % 2 == 0 else -1]:  # alternate who goes first
+            sync = torch.cuda.synchronize if cuda else (lambda: None)  # time the GPU's work, not its queue
+            sync()
+            t0 = time.perf_counter()
+            for x, y in batch:
+                steps[name](x, y)
+            sync()
+            out[name].append((time.perf_counter() - t0) / len(batch))
+    losses = {name: float(steps[name](*data[-1])) for name in steps}  # the same batch: near-equal losses
+    return out, losses
+
+
+def gpu_bench(quick):
+    torch.set_num_threads(1)  # as every rank of the table: one torch thread
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    big = dict(n_layer=12, n_head=12, n_embd=768, block=1024, batch=8, reps=5, steps=3, warmup=3)  # GPT-2 shape
+    tiny = dict(n_layer=1, n_head=2, n_embd=32, block=16, batch=2, reps=2, steps=1, warmup=1)
+    cfg = Config(world_size=1, **(tiny if quick or not cuda else big))
+    where = torch.cuda.get_device_name() if cuda else "the CPU (no CUDA: tiny sizes, times mean nothing)"
+    print(f"--gpu on {where}: GPT {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch}x{cfg.block}, medians over "
+          f"{cfg.reps} reps of {cfg.steps} steps", flush=True)
+    times, losses = ops.run_threads(plain_vs_engine, 1, cfg, device=device)[0]
+    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
+    overhead = ms["minizero"] / ms["plain"]
+    print(f"  plain torch loop (AdamW fused=False{', bf16 autocast' if cuda else ''}) {ms['plain']:.1f} ms/step, "
+          f"minizero stage 0 (1 rank{', bf16' if cuda else ''}) {ms['minizero']:.1f} ms/step: overhead "
+          f"{overhead:.2f}x; last losses {losses['plain']:.4f} and {losses['minizero']:.4f}", flush=True)
+    # the native rows: NCCL puts one rank on each GPU, so one GPU runs world size 1 only
+    n = max(1, torch.cuda.device_count()) if cuda else 1
+    rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2"), Variant("stage0-native", "zero", 0, True),
+            Variant("stage3-native", "zero", 3, True), Variant("stage3-native-noovl", "zero", 3, True, False)]
+    cfg = replace(cfg, world_size=n, variants=tuple(rows), reps=min(cfg.reps, 3), steps=min(cfg.steps, 2),
+                  warmup=min(cfg.warmup, 2))
+    res = ops.run_processes(time_world, n, cfg, backend="nccl" if cuda else "gloo", check=False, timeout=600)
+    row = {v.name: 1000 * statistics.median(max(r[v.name]["times"][i] for r in res) for i in range(cfg.reps))
+           for v in rows}
+    print(f"  native rows, fp32, world size {n} ({'nccl' if cuda else 'gloo'}): "
+          + ", ".join(f"{name} {t:.1f} ms" for name, t in row.items()), flush=True)
+    ratios = {"stage0-native/ddp": row["stage0-native"] / row["torch-ddp"],
+              "stage3-native/fsdp2": row["stage3-native"] / row["torch-fsdp2"],
+              "stage3 overlap on/off": row["stage3-native"] / row["stage3-native-noovl"]}
+    skipped = "world sizes above 1 (one GPU; NCCL takes one GPU per rank)" if cuda and n == 1 else "none"
+    print(f"summary: overhead vs plain torch loop {overhead:.2f}x; world {n}: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; skipped: {skipped}")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 with --max-model)")
     ap.add_argument("--quick", action="store_true", help="tiny model, one rep, fewer rows: proves it runs")
     ap.add_argument("--max-model", action="store_true", help="the scale claim: largest model per budget")
+    ap.add_argument("--gpu", action="store_true", help="gpu_check.sh: overhead over a plain torch loop, "
+                                                       "native rows on CUDA (tiny on the CPU)")
     ap.add_argument("--budget-mb", type=int, default=Config.budget_mb,
                     help=f"--max-model: MiB of peak RSS per rank above baseline (default {Config.budget_mb})")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant per rep")
     a = ap.parse_args()
 
-    if a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations
+    if a.gpu:
+        gpu_bench(a.quick)
+    elif a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations
         cfg = Config(world_size=a.world_size or 4, n_head=8, n_embd=512, block=32, batch=1, budget_mb=a.budget_mb)
         max_model(cfg)
     else:

@@ -5,11 +5,12 @@ minizero.check: the equivalence proof as a tool you run on your own model.
     print(report)             # a row per (world size, stage)
     assert report.ok, report.first
 
-    python minizero.py check my_model.py --world-sizes 1,2,4 --dtype bf16
+    python minizero.py check my_model.py --world-sizes 1,2,4 --dtype bf16 [--device cuda]
 
 It trains your model under DDP (stage 0) and under ZeRO stages 1-3 on each world size
-(ranks are threads, or gloo processes), from the same initial values on the same
-batches, and checks, step by step and micro-batch by micro-batch:
+(ranks are threads, or gloo processes; on a GPU, threads sharing it, or one nccl process
+per GPU), from the same initial values on the same batches, and checks, step by step
+and micro-batch by micro-batch:
 
   grads    every stage's reduced gradient shard equals stage 0's, to the bit, on every rank
   params   every stage's parameters and buffers equal stage 0's after every step, to the bit:
@@ -44,7 +45,7 @@ import torch
 
 import ops
 from engine import Engine
-from minizero import cast_floats
+from minizero import cast_floats, map_tensors
 
 KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
@@ -139,15 +140,21 @@ def default_loss(model, batch):
 
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
-          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, **engine_kw):
+          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
     grad_accum, clip, ...; units may be a function of the model). processes=True runs
-    gloo processes: then the callables must be importable."""
+    gloo processes: then the callables must be importable. device="cuda": each rank's
+    model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
+    with torch's deterministic algorithms, as equal bits need equal local compute."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
+    device = torch.device(device or "cpu")
+    if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
+        raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size {max(world_sizes)} "
+                         f"needs that many GPUs, this machine has {torch.cuda.device_count()}; use threads")
     if processes:
         try:
             pickle.dumps((make_model, make_batch, loss_fn, engine_kw))
@@ -161,6 +168,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 jitter=jitter, engine_kw=engine_kw, state={k: v.clone() for k, v in model.state_dict().items()})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
+    restore = _deterministic(device)
     try:
         for n in world_sizes:
             runs = {}
@@ -168,10 +176,12 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 t0 = time.perf_counter()
                 row = Row(n, s)
                 try:
-                    if processes:
-                        runs[s] = ops.run_processes(_rank, n, s, spec, timeout=timeout)
+                    if processes:  # (on nccl each rank's tensors come back on its own GPU: gather them)
+                        runs[s] = _to(ops.run_processes(_rank, n, s, spec, timeout=timeout,
+                                                        backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
-                        runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), timeout=timeout)
+                        runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
+                                                  timeout=timeout)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
                     row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0], 0, 0, 0, 0, 0)
                     report.rows.append(row)
@@ -179,11 +189,23 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 row.seconds = time.perf_counter() - t0
                 _compare(row, runs[s], runs.get(0), n, s, dtype, {nm for nm, _ in model.named_buffers()})
                 if s == 0 and referee:
-                    _referee(row, model, runs[0], spec, n, report.tol)
+                    _referee(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
     finally:
         torch.set_num_threads(threads)
+        restore()
     return report
+
+
+def _deterministic(device):
+    """On CUDA, switch on torch's deterministic kernels (some, like index_add, sum with
+    atomics in a different order each run); returns what puts the settings back."""
+    if device.type != "cuda":
+        return lambda: None
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting
+    torch.use_deterministic_algorithms(True, warn_only=True)  # a kernel with no such version warns
+    return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 # -----------------------------------------------------------------------------
@@ -192,9 +214,9 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
 
 def _rank(comm, stage, spec):
     if "model" in spec:  # threads: a copy of the one model
-        model = copy.deepcopy(spec["model"])
+        model = copy.deepcopy(spec["model"]).to(comm.device)
     else:                # processes: build it, then take the parent's values
-        model = spec["make_model"]()
+        model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
     kw = dict(spec["engine_kw"])
     if stage == 0:  # DDP keeps its whole state in memory: the reference every offload is held to
@@ -211,7 +233,7 @@ def _rank(comm, stage, spec):
     for step in range(spec["steps"]):
         before, grads, kept = dict(comm.sent), [], []
         for micro in range(engine.grad_accum):
-            batch = spec["make_batch"](step, comm.rank, micro)
+            batch = _to(spec["make_batch"](step, comm.rank, micro), comm.device)
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
             kept.append(_kept_too_much(engine))
@@ -232,6 +254,10 @@ def _rank(comm, stage, spec):
 def _memory(engine, resident, offloaded):
     """Resident bytes by category, and offloaded bytes by where: measured or formula."""
     return {**resident(), **{f"offloaded to {k}": v for k, v in offloaded.items()}}
+
+
+def _to(batch, device):
+    return map_tensors(batch, lambda t: t.to(device))
 
 
 def _kept_too_much(engine):
@@ -338,13 +364,14 @@ def _ulps(a, b):
     return int((ordered(a) - ordered(b)).abs().max())
 
 
-def _referee(row, model, ranks, spec, n, tol):
-    """Stage 0 against torch, step by step. Gradient: torch's at the engine's parameters
-    before the step, over every rank's micro-batches with the loss averaged as the engine
-    averages it. Update: torch.optim.AdamW given the engine's own mean gradient."""
+def _referee(row, model, ranks, spec, n, tol, device):
+    """Stage 0 against torch, step by step, on the ranks' device. Gradient: torch's at the
+    engine's parameters before the step, over every rank's micro-batches with the loss
+    averaged as the engine averages it. Update: torch.optim.AdamW given the engine's own
+    mean gradient."""
     kw, run = spec["engine_kw"], ranks[0]
     dtype = kw.get("dtype", torch.float32)  # torch's gradient in the engine's compute dtype
-    grad_model, upd_model = copy.deepcopy(model).to(dtype), copy.deepcopy(model).float()
+    grad_model, upd_model = copy.deepcopy(model).to(device, dtype), copy.deepcopy(model).to(device).float()
     grad_model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     upd_model.load_state_dict(run["initial"])
     names = [nm for names, *_ in run["layout"] for nm in names]
@@ -362,7 +389,7 @@ def _referee(row, model, ranks, spec, n, tol):
         if h["stepped"]:
             mean = _engine_grad(ranks, step, n)
             grad_model.load_state_dict(state)
-            total, size = _torch_grad(grad_model, names, spec, step, n, run["grad_accum"], h["scale"])
+            total, size = _torch_grad(grad_model, names, spec, step, n, run["grad_accum"], h["scale"], device)
             scale = max(float(size[nm].max()) for nm in names if size[nm].numel()) + 1e-30
             for nm, used in zip(names, [x for u in h["used"] for x in u]):
                 rel = float((mean[nm] - total[nm]).abs().max()) / scale if total[nm].numel() else 0.0
@@ -384,7 +411,7 @@ def _referee(row, model, ranks, spec, n, tol):
     row.referee = tuple(worst)
 
 
-def _torch_grad(model, names, spec, step, n, accum, scale):
+def _torch_grad(model, names, spec, step, n, accum, scale, device):
     """torch's mean gradient, computed as the engine computes it: one backward per rank
     and micro-batch, each loss times scale/accum in the compute dtype, summed in fp32,
     then divided by N·scale. Also the sum of |contributions|: the scale of its rounding."""
@@ -393,7 +420,8 @@ def _torch_grad(model, names, spec, step, n, accum, scale):
     for r in range(n):
         for k in range(accum):
             model.zero_grad(set_to_none=True)
-            (spec["loss_fn"](model, spec["make_batch"](step, r, k)).float() * (scale / accum)).backward()
+            batch = _to(spec["make_batch"](step, r, k), device)
+            (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
             for nm in names:
                 g = model.get_parameter(nm).grad
                 if g is not None:
@@ -442,6 +470,8 @@ def main(argv):
     ap.add_argument("--grad-accum", type=int)
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
     a = ap.parse_args(argv)
     try:
         user = _load(a.file)
@@ -455,7 +485,7 @@ def main(argv):
         t0 = time.perf_counter()
         report = check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
                        world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
-                       jitter=a.jitter, **kw)
+                       jitter=a.jitter, device=a.device, **kw)
     except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
         print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

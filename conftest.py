@@ -1,5 +1,6 @@
 """Hypothesis profiles: 'ci' (set when CI=true) keeps the whole suite to a few minutes
-on 2 cores; 'dev' is the default; 'thorough' draws many more cases."""
+on 2 cores; 'dev' is the default; 'thorough' draws many more cases; 'quick' is
+gpu_check.sh's, a few cases inside its time limit."""
 import os
 
 from hypothesis import HealthCheck, settings
@@ -8,4 +9,5 @@ common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Health
 settings.register_profile("ci", max_examples=200, derandomize=True, **common)
 settings.register_profile("dev", max_examples=100, **common)
 settings.register_profile("thorough", max_examples=1000, **common)
+settings.register_profile("quick", max_examples=20, derandomize=True, **common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

@@ -178,7 +178,12 @@ class Unit:
 def check_same_model(model, comm):
     """Collective: every rank must have built the same model, the same names, shapes,
     dtypes, trainability and ties of every parameter and buffer (each later collective's
-    size depends on it). Otherwise raise on every rank, naming the first difference."""
+    size depends on it). Otherwise raise on every rank, naming the first difference.
+    First, the model must be on the device the communicator moves tensors on."""
+    device = next(model.parameters()).device
+    if device != comm.device:  # (a GPU model on CPU thread ranks would run all their backwards on one thread)
+        raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
+                         f"move it there first: model.to(comm.device)")
     entries, first = [], {}
     for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
         tie = first.setdefault(id(t), n)
@@ -330,14 +335,19 @@ def tensors(x):
 
 def cast_floats(x, dtype):
     """x with every float tensor in dtype, also inside tuples, lists and dicts."""
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def map_tensors(x, fn):
+    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
     if torch.is_tensor(x):
-        return x.to(dtype) if x.is_floating_point() else x
+        return fn(x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(cast_floats(y, dtype) for y in x))
+        return type(x)(*(map_tensors(y, fn) for y in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(cast_floats(y, dtype) for y in x)
+        return type(x)(map_tensors(y, fn) for y in x)
     if isinstance(x, dict):
-        return type(x)((k, cast_floats(v, dtype)) for k, v in x.items())
+        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
     return x
 
 

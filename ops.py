@@ -13,10 +13,12 @@ bit-identical to DDP, so the ring is the default; `comm.native = True` swaps in 
 own collectives (NCCL on GPU), which sum in an order of their own.
 
 Two transports run the same ring code:
-    run_threads(fn, world_size, *args)    ranks are threads of this process (tests)
+    run_threads(fn, world_size, *args)    ranks are threads of this process (tests), on the
+                                          CPU or sharing one GPU (device="cuda")
     run_processes(fn, world_size, *args)  ranks are local processes on gloo or nccl
     init_from_env()                       ranks started by torchrun, any number of nodes
 """
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -68,17 +70,20 @@ class Pending:
 # -----------------------------------------------------------------------------
 # transport 1: threads in one process. Messages travel through one queue per
 # (src, dst) pair; a header rides along so mismatched collectives are caught.
+# On a GPU each rank thread computes on a CUDA stream of its own, so a message also
+# carries an event: the receiver's stream waits for it before it reads the payload.
 
 class ThreadComm:
     def __init__(self, rank, world):
         self.rank, self.world_size, self.world = rank, world.world_size, world
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.native = False  # torch's own collectives instead of the ring
-        self.device = torch.device("cpu")
+        self.device = world.device
 
     def isend(self, t, dst, kind="p2p"):  # queues never block: the send is done at once
         self.sent[kind] += t.numel() * t.element_size()
-        self.world.queues[self.rank, dst].put((kind, t.detach().clone()))
+        payload = t.detach().clone()
+        self.world.queues[self.rank, dst].put((kind, payload, _made(payload)))
         return Pending(lambda: None)
 
     def send(self, t, dst, kind="p2p"):
@@ -88,7 +93,7 @@ class ThreadComm:
         deadline = time.monotonic() + self.world.timeout
         while True:
             try:  # a message already sent is delivered, as on a real transport, though its sender failed since
-                got_kind, payload = self.world.queues[src, self.rank].get(timeout=0.05)
+                got_kind, payload, made = self.world.queues[src, self.rank].get(timeout=0.05)
                 break
             except queue.Empty:
                 if self.world.failed.is_set():
@@ -97,6 +102,10 @@ class ThreadComm:
                     raise PeerFailed(f"rank {self.rank}: no message from rank {src} within "
                                      f"{self.world.timeout}s ({_describe(kind, t)})")
         _expect(self.rank, kind, t, src, _describe(got_kind, payload))
+        if made is not None:  # CUDA: read what the sender's stream has written, and keep the
+            stream = torch.cuda.current_stream(payload.device)  # payload's memory until we have read it
+            stream.wait_event(made)
+            payload.record_stream(stream)
         t.copy_(payload)
 
     def irecv(self, t, src, kind="p2p"):
@@ -106,13 +115,17 @@ class ThreadComm:
         """The thread world's native collective: every rank reads the others' x straight from
         shared memory, as a native collective would, and sums in rank order."""
         w = self.world
-        w.slots[self.rank] = (kind, x.detach())
+        w.slots[self.rank] = (kind, x.detach(), _made(x))
         self._barrier()
-        for src, (k, y) in enumerate(w.slots):
+        for src, (k, y, made) in enumerate(w.slots):
             _expect(self.rank, kind, x, src, _describe(k, y))
-        ys = torch.stack([y for _, y in w.slots])
+            if made is not None:
+                torch.cuda.current_stream(y.device).wait_event(made)
+        ys = torch.stack([y for _, y, _ in w.slots])
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
+        if out.is_cuda:  # the reads above are done before their owners may overwrite them
+            torch.cuda.current_stream(out.device).synchronize()
         self._barrier()  # nobody may reuse its slot until everyone has read it
         return out
 
@@ -123,25 +136,61 @@ class ThreadComm:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
 
 
+def _made(t):
+    """CUDA: an event on this thread's current stream, which is making t. CPU: None (done)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
 class ThreadWorld:
-    def __init__(self, world_size, timeout):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(self, world_size, timeout, device):
+        self.world_size, self.timeout, self.device = world_size, timeout, device
         self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
         self.slots = [None] * world_size
         self.barrier = threading.Barrier(world_size)
         self.failed = threading.Event()
 
 
-def run_threads(fn, world_size, *args, timeout=60.0):
+def _thread_device(device):
+    """The rank threads' device: the CPU by default, or one GPU that every rank shares."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this torch sees no CUDA GPU; use device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
+
+
+@contextlib.contextmanager
+def _rank_on(device):
+    """A rank thread's CUDA state, all per thread: the device, a stream of its own, and backward
+    run here (autograd's one worker thread per GPU would run every rank's hooks: one rank's
+    hook waiting there for a collective would block the peers' hooks it waits for)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)), \
+            torch.autograd.set_multithreading_enabled(False):
+        yield
+        torch.cuda.current_stream(device).synchronize()  # what the rank returns is complete
+
+
+def run_threads(fn, world_size, *args, device=None, timeout=60.0):
     """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
-    If a rank raises, the others are woken up and this raises, naming that rank."""
+    If a rank raises, the others are woken up and this raises, naming that rank.
+    device="cuda": every rank computes on that one GPU, each on its own stream."""
     _check_world_size(world_size)
-    world = ThreadWorld(world_size, timeout)
+    device = _thread_device(device)
+    world = ThreadWorld(world_size, timeout, device)
     results, errors = [None] * world_size, {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the caller's tensors are complete before other streams read them
 
     def main(rank):
         try:
-            results[rank] = fn(ThreadComm(rank, world), *args)
+            with _rank_on(device):
+                results[rank] = fn(ThreadComm(rank, world), *args)
         except BaseException as e:
             errors[rank] = e
             world.failed.set()
@@ -434,15 +483,17 @@ def check_same(entries, comm, what, fix, kind="fingerprint"):
         return
     digest = [int.from_bytes(hashlib.sha256(e.encode()).digest()[:8], "little", signed=True) for e in entries]
     whole = int.from_bytes(hashlib.sha256("\n".join(entries).encode()).digest()[:8], "little", signed=True)
-    heads = all_gather(torch.tensor([len(entries), whole]), comm, kind=kind).view(-1, 2)
+    dev = comm.device  # NCCL moves only CUDA tensors; the comparisons below run on the CPU
+    heads = all_gather(torch.tensor([len(entries), whole], device=dev), comm, kind=kind).view(-1, 2).cpu()
     if (heads == heads[0]).all():
         return
     longest = int(heads[:, 0].max())
     mine = torch.zeros(longest, dtype=torch.int64)
     mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
-    table = all_gather(mine, comm, kind=kind).view(comm.world_size, -1)
+    table = all_gather(mine.to(dev), comm, kind=kind).view(comm.world_size, -1).cpu()
     i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest) if table[k, i] != table[0, i])
     say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
-    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8), comm, kind=kind).view(comm.world_size, -1)
+    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8).to(dev), comm,
+                      kind=kind).view(comm.world_size, -1).cpu()
     theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
     raise ValueError(f"{what} #{i} is '{theirs[0]}' on rank 0 but '{theirs[1]}' on rank {k}; {fix}")

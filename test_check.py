@@ -4,6 +4,7 @@ deterministic, engine bugs planted by monkeypatching (one stage's decay, one ran
 micro-batch, and the four stage-0 bugs its torch referee exists for), ranks whose
 models drift apart; and its command line answers 0, 1 or 2.
 """
+import collections
 import textwrap
 
 import pytest
@@ -203,3 +204,30 @@ def test_cli_bad_input_is_one_line_and_2(tmp_path, capsys, body, says):
     assert check.main([write(tmp_path, body), "--world-sizes", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
+
+
+def test_cli_device(tmp_path, capsys):
+    """--device cpu is the default spelled out; --device cuda without a GPU is one line and 2."""
+    path = write(tmp_path, USER.format(extra=""))
+    assert check.main([path, "--world-sizes", "2", "--steps", "1", "--device", "cpu"]) == 0
+    if not torch.cuda.is_available():
+        assert check.main([path, "--world-sizes", "2", "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "sees no CUDA GPU" in err and len(err.splitlines()) == 1
+
+
+def test_processes_on_cuda_need_a_gpu_per_rank():
+    with pytest.raises(ValueError, match="one nccl process per GPU"):
+        minizero.check(make_model, make_batch, world_sizes=(64,), processes=True, device="cuda")
+
+
+def test_batches_in_containers_reach_the_device():
+    """check moves every tensor of a batch, floats and ints, inside tuples, namedtuples,
+    lists and dicts (here with a function that marks them, as the CPU cannot move them)."""
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"a": (torch.zeros(2), [torch.zeros(1, dtype=torch.long)]), "b": Pair(torch.ones(1), 3), "c": "text"}
+    out = minizero.map_tensors(batch, lambda t: t + 1)
+    assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
+    assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
+    assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
+    assert check._to(batch, "cpu")["a"][0].device == torch.device("cpu")

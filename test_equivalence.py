@@ -10,9 +10,13 @@ accumulation, clipping, learning rate, weight decay, eps, compute dtype, overlap
 delays in the communication, and the optimizer state offloaded to disk. Ranks are threads, so hundreds of examples run in
 seconds; a few fixed cases rerun on real gloo processes and must give the same bits,
 and stage 0 is held against torch's DistributedDataParallel there.
+
+MINIZERO_DEVICE=cuda runs the suite with every thread rank on one GPU, each on its own
+stream (the gloo process tests are CPU ranks: they run with the default, cpu).
 """
 import copy
 import tempfile
+import os
 
 import pytest
 import torch
@@ -28,6 +32,8 @@ import ops
 torch.set_num_threads(1)  # ranks are threads: keep each one's kernels single-threaded
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCRATCH = tempfile.TemporaryDirectory(prefix="minizero-offload-")  # disk offload's files, while they live
+DEVICE = torch.device(os.environ.get("MINIZERO_DEVICE", "cpu"))  # where the thread ranks compute
+on_gloo = pytest.mark.skipif(DEVICE.type != "cpu", reason="gloo processes are CPU ranks")
 
 
 class Net(nn.Module):
@@ -92,7 +98,7 @@ def make(c):
 def run_check(c, **kw):
     model, batches = make(c)
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
-                          world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"],
+                          world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
                           **{**c["engine"], **kw})
 
 
@@ -132,11 +138,47 @@ def test_native_collectives_keep_the_stages_equal(overlap):
         assert report.ok, f"\n{report}"
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.device_count() < 2, reason="nccl needs a GPU per rank")
 def test_check_on_processes():
     c = FIXED[0]
     report = minizero.check(_fixed_model, _fixed_batch, world_sizes=(2,), stages=(0, 3), steps=2,
-                            processes=True, **c["engine"])
+                            processes=True, device=DEVICE, **c["engine"])
     assert report.ok, f"\n{report}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_world_and_stage_on_the_device(dtype):
+    """The GPU check's core, and its CPU smoke test: world sizes 2-4, every stage, overlap
+    and random delays on, the same bits across stages; stage 0 against torch."""
+    c = dict(FIXED[0], world_size=4, dtype=dtype, jitter=True)
+    model, batches = make(c)
+    report = minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
+                            world_sizes=(2, 3, 4), steps=2, jitter=True, device=DEVICE,
+                            **dict(c["engine"], dtype=dtype, overlap=True))
+    assert report.ok, f"\n{report}"
+    assert len(report.rows) == 12 and all(r.referee is not None for r in report.rows if r.stage == 0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_collectives_see_what_the_sender_made(native):
+    """Each rank's input comes out of slow work on its own stream (on a GPU), and every
+    collective must read it whole: receivers wait for the sender's stream. The values
+    are small integers, so every order of summation gives the exact sum."""
+    n, size = 3, 3 << 19 if DEVICE.type == "cuda" else 96  # (a multiple of n)
+    slow = torch.ones(4096, 4096) if DEVICE.type == "cuda" else torch.ones(8, 8)  # ~5 ms of GPU work
+
+    def fn(comm):
+        comm.native = native
+        s = slow.to(comm.device)
+        x = torch.arange(size, device=comm.device, dtype=torch.float32) % 7 + comm.rank + (s @ s @ s).sum() * 0
+        return [t.cpu() for t in (ops.reduce_scatter(x, comm), ops.all_gather(x[:size // n], comm),
+                                  ops.all_reduce(x, comm), ops.broadcast(x.clone(), comm, src=1))]
+    base = torch.arange(size, dtype=torch.float32) % 7
+    total = n * base + sum(range(n))
+    for rank, (shard, gathered, reduced, sent) in enumerate(ops.run_threads(fn, n, device=DEVICE)):
+        assert torch.equal(shard, total.view(n, -1)[rank])
+        assert torch.equal(gathered, torch.cat([base[:size // n] + r for r in range(n)]))
+        assert torch.equal(reduced, total) and torch.equal(sent, base + 1)
 
 
 def _fixed_model():  # importable: processes build it themselves
@@ -188,6 +230,7 @@ def gloo_results():
     return ops.run_processes(gloo_world, 3)
 
 
+@on_gloo
 def test_processes_equal_threads_bit_for_bit(gloo_results):
     for i, c in enumerate(FIXED):
         threads = {s: ops.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
@@ -199,6 +242,7 @@ def test_processes_equal_threads_bit_for_bit(gloo_results):
                     assert all(torch.equal(x, y) for m, n in zip(a["grads"], b["grads"]) for x, y in zip(m, n))
 
 
+@on_gloo
 def test_ddp_matches_torch_ddp_on_gloo(gloo_results):
     for ours, theirs in gloo_results:
         for h, ref in zip(ours[0][0]["hist"], theirs):
@@ -231,6 +275,11 @@ def test_parameters_on_two_devices():
         one_rank(lambda comm: minizero.Engine(model, comm, 0))
 
 
+def test_model_on_another_device_than_the_ranks():
+    with pytest.raises(RuntimeError, match="the model is on meta, but this rank's communicator works on cpu"):
+        one_rank(lambda comm: minizero.Engine(Net(3, [2, 2]).to("meta"), comm, 0))
+
+
 def test_unit_list_that_misses_or_repeats():
     model = Net(3, [2, 2, 2])
     with pytest.raises(RuntimeError, match="in no unit"):
@@ -249,7 +298,7 @@ def test_tie_across_units():
     with pytest.raises(RuntimeError, match="layers.0.weight and layers.1.weight"):
         ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3), 2)
     report = minizero.check(lambda: model, lambda s, r, m: batches[s][m][r], world_sizes=(2,), stages=(0, 1, 2),
-                            steps=2, **c["engine"])
+                            steps=2, device=DEVICE, **c["engine"])
     assert report.ok, f"\n{report}"
 
 

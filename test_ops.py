@@ -290,6 +290,25 @@ def test_bad_shapes_raise_value_error():
     assert isinstance(err.__cause__, ValueError)
 
 
+def test_thread_ranks_take_a_device():
+    """device="cpu" is the default spelled out: comm.device says it, the bits are the same."""
+    xs = [make_input(r, 12, torch.bfloat16, 5) for r in range(3)]
+
+    def fn(comm):
+        return comm.device, ops.reduce_scatter(xs[comm.rank], comm), ops.all_gather(xs[comm.rank][:4], comm)
+    default, cpu = ops.run_threads(fn, 3), ops.run_threads(fn, 3, device="cpu")
+    for (d0, rs0, ag0), (d1, rs1, ag1) in zip(default, cpu):
+        assert d0 == d1 == torch.device("cpu")
+        assert_bits_equal(rs0, rs1)
+        assert_bits_equal(ag0, ag1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_thread_ranks_on_a_missing_gpu():
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        ops.run_threads(lambda comm: None, 2, device="cuda")
+
+
 # -----------------------------------------------------------------------------
 # 4 and 5 (processes). Functions run by run_processes must be top-level here.
 

@@ -380,6 +380,14 @@ def fmt_bytes(n):
     return f"{n / 2**20:.2f} MiB"
 
 
+def mfu(n_params, c, tok_s, world_size):
+    """nanoGPT's model flops utilization: 6 flops per parameter per token, plus attention,
+    per GPU, against its dense bf16 peak (H100/H200: 989 TFLOPS; any other GPU: A100's 312)."""
+    flops = (6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size) * tok_s / world_size
+    peak = 989e12 if any(g in torch.cuda.get_device_name() for g in ("H100", "H200")) else 312e12
+    return flops / peak
+
+
 def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
@@ -458,19 +466,15 @@ def train(comm, cfg):
                 f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
         if step % 10 == 0 or step == c.steps - 1:
             tok_s = tokens_per_step / times[-1]
-            mfu = ""
-            if cuda:  # nanoGPT's estimate: 6 flops per parameter per token, plus attention
-                flops = (6 * n_params + 12 * c.n_layer * c.n_embd * c.block_size) * tok_s / N
-                peak = 989e12 if any(g in torch.cuda.get_device_name() for g in ("H100", "H200")) else 312e12
-                mfu = f", mfu {100 * flops / peak:.1f}%"
-            log(f"step {step}: loss {train_curve[-1][1]:.4f}, time {1000 * times[-1]:.1f} ms, tok/s {tok_s:,.0f}{mfu}")
+            util = f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else ""
+            log(f"step {step}: loss {train_curve[-1][1]:.4f}, time {1000 * times[-1]:.1f} ms, tok/s {tok_s:,.0f}{util}")
 
     timed = times[min(len(times) - 1, 5):] or [float("nan")]  # the first steps are warm-up
     ms = 1000 * sum(timed) / len(timed)
     tok_s = tokens_per_step / ms * 1000
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
-    log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s"
+    log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s" + (f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else "")
         + (f", {skipped} steps skipped for non-finite gradients" if skipped else ""))
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
@@ -504,6 +508,7 @@ def main(argv=None):
         if "RANK" in os.environ:  # started by torchrun
             comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
             train_entry(comm, cfg)
+            torch.distributed.destroy_process_group()  # NCCL asks for it: no rank leaves work pending
         else:  # start our own world: one GPU per rank if there are enough, else CPU processes
             gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
             ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
