@@ -198,7 +198,8 @@ class Engine:
         if u.pending is None:
             self._log(u, 0)
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
-            u.point(u.flat)  # (after gathered() they still view what it held)
+            if u.viewing is not u.flat:  # after gathered() they still view what it held
+                u.point(u.flat)
             u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
         return u.pending
 
@@ -318,7 +319,8 @@ class Engine:
         local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
         self._log(u, 1)
-        self.finite &= torch.isfinite(local).all()  # which rank's own gradient went bad
+        # which rank's own gradient went bad: NaN or inf anywhere makes the fp32 sum so (one pass, no copy)
+        self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
 
         def job():
             if self.sharded["optimizer"]:
@@ -399,7 +401,7 @@ class Engine:
         rule); whether any gradient went non-finite, in a rank's own gradient or in the sum.
         Returns None if all is finite, else the ranks whose own gradient was not."""
         mine = [float(self.trace), float(not self.finite),
-                float(any(not torch.isfinite(u.reduced).all() for u in self.units))]
+                float(not all(torch.isfinite(u.reduced.sum(dtype=torch.float32)) for u in self.units))]
         mine += [float(x) for u in self.units for x in u.used]
         flags = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.comm, kind="flags")
         flags, self.trace = flags.view(self.comm.world_size, -1).cpu(), 0

@@ -157,6 +157,7 @@ class Unit:
         self.flushed = False                        # reduce-scattered in this micro-batch?
         self.pending = None                         # stage 3: the gather in flight or done, or None
         self.held = None                            # stage 3, in engine.gathered(): the params read there
+        self.viewing = self.flat                    # the buffer the parameters are views of now
         if sharded["params"]:  # a read of a released parameter is then an error, not freed memory
             for n, p in zip(self.names, self.params):
                 p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, False
@@ -168,6 +169,7 @@ class Unit:
         """Make the parameters views into buf (flat, or what engine.gathered() holds)."""
         for p, o in zip(self.params, self.offsets):
             p.data = buf[o:o + p.numel()].view(p.shape)
+        self.viewing = buf
 
     def mark(self, released):
         """Stage 3: say whether the parameters may be read now."""
