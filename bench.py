@@ -250,7 +250,7 @@ def comm_formula(v, numel, n_params, N):
 
 def bench(cfg):
     N, t_start = cfg.world_size, time.time()
-    n_params = GPT(gpt_config(cfg)).num_params()
+    n_params = meta_params(cfg, cfg.n_layer)
     print(f"GPT {cfg.n_layer} layers x {cfg.n_embd} wide ({n_params / 1e6:.2f}M params, fp32), batch "
           f"{cfg.batch}x{cfg.block} per rank, {N} gloo CPU ranks, 1 torch thread each\n"
           f"medians over {cfg.reps} interleaved reps of {cfg.steps} steps after {cfg.warmup} warm-up; "
@@ -299,6 +299,14 @@ MAX_MODEL_ROWS = [Variant("stage0-ring", "zero", 0), Variant("torch-fsdp2", "fsd
                   Variant("stage3-ring", "zero", 3), Variant("stage3-ring-disk", "zero", 3, offload="disk")]
 
 
+def meta_params(cfg, n_layer):
+    """The GPT's parameter count, built on the meta device: building it for real here would
+    raise this process's peak RSS, which spawned ranks inherit in ru_maxrss (Linux keeps
+    the high-water mark across fork and exec), and every later row would measure high."""
+    with torch.device("meta"):
+        return GPT(gpt_config(cfg, n_layer)).num_params()
+
+
 def max_model(cfg):
     """For each row (DDP, torch FSDP2, stage 3, stage 3 with the optimizer on disk), the
     largest n_layer whose measured per-rank peak (above baseline) fits the budget: a secant
@@ -315,7 +323,7 @@ def max_model(cfg):
         n, lo, hi = 1, 0, None  # lo: largest n that fits so far; hi: smallest that does not
         while hi is None or hi > lo + 1:
             per_rank = run_measured(memory_world, N, cfg, v, n)
-            seen[n] = (max(p - b for p, b, _ in per_rank), per_rank[0][2] or GPT(gpt_config(cfg, n)).num_params())
+            seen[n] = (max(p - b for p, b, _ in per_rank), per_rank[0][2] or meta_params(cfg, n))
             fits = seen[n][0] <= budget
             print(f"  {v.name}, {n:3d} layers ({seen[n][1] / 1e6:6.1f}M params): peak "
                   f"{seen[n][0] / MiB:6.0f} MiB, {'fits' if fits else 'too big'}", flush=True)

@@ -5,6 +5,7 @@ them: parameters read outside forward, state_dict at stage 3, a NaN on one rank,
 rules for unused parameters and buffers (against torch's own DDP, on gloo), and ranks
 whose models differ.
 """
+import contextlib
 import copy
 import gc
 from dataclasses import dataclass
@@ -235,7 +236,7 @@ def test_a_loss_that_reads_parameters(stage):
         engine = minizero.Engine(model, comm, stage, lr=0.05)
         for step in range(2):
             loss = model(**batch(step, comm.rank, 0)).loss
-            with engine.gathered() if inside else minizero_nothing():
+            with engine.gathered() if inside else contextlib.nullcontext():
                 loss = loss + 0.01 * sum(p.pow(2).sum() for p in model.parameters())
             engine.backward(loss)
             engine.step()
@@ -246,14 +247,6 @@ def test_a_loss_that_reads_parameters(stage):
     if stage == 3:
         with pytest.raises(RuntimeError, match="gathered"):
             ops.run_threads(body, 2, 3, False)
-
-
-class minizero_nothing:  # noqa: N801 (a do-nothing context manager)
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_gathered_writable_takes_rank_0s_weights_into_the_master():
