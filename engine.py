@@ -124,8 +124,7 @@ class Engine:
         for u in self.units:
             for i, p in enumerate(u.params):
                 p.register_post_accumulate_grad_hook(_grad_hook(ref, u, i))
-            if self.sharded["params"]:
-                self._release(u)
+            if self.sharded["params"]:  # (each unit starts released: Unit)
                 u.module.register_forward_pre_hook(_gather_hook(ref, u))
                 u.module.register_forward_hook(_after_forward_hook(ref, u))
         model.register_forward_pre_hook(_before_forward_hook(ref), with_kwargs=True)

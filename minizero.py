@@ -160,7 +160,8 @@ class Unit:
         self.viewing = self.flat                    # the buffer the parameters are views of now
         if sharded["params"]:  # a read of a released parameter is then an error, not freed memory
             for n, p in zip(self.names, self.params):
-                p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, False
+                p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, True
+            release_params(self.flat)  # now, not once every unit is built: the model is never here twice
 
     def chunk(self, x, rank):
         return x.view(-1, self.shard_size)[rank]
