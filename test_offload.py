@@ -144,9 +144,9 @@ def test_resume_with_offload_on_or_off_is_bit_for_bit(tmp_path, first, then):
 def test_offload_files_go_at_normal_exit(tmp_path):
     script = textwrap.dedent(f"""
         import torch, minizero, ops
+        keep = []  # every rank's engine, alive until the interpreter exits: no close() is called
         def body(comm):
-            global keep  # alive until the interpreter exits: no close() is called
-            keep = minizero.Engine(torch.nn.Linear(4, 4), comm, 2, offload="disk", offload_dir={str(tmp_path)!r})
+            keep.append(minizero.Engine(torch.nn.Linear(4, 4), comm, 2, offload="disk", offload_dir={str(tmp_path)!r}))
             mine = f"rank{{comm.rank}}-"
             return len([f for f in __import__("os").listdir({str(tmp_path)!r}) if mine in f])
         print(ops.run_threads(body, 2))
