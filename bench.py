@@ -24,6 +24,7 @@ glibc's mmap threshold fixed (run_measured), so RSS follows the tensors alive.
 n_layer whose peak above baseline fits --budget-mb.
 """
 import argparse
+import contextlib
 import os
 import statistics
 import tempfile
@@ -88,15 +89,22 @@ def variants(quick):
 # one variant: a model with its optimizer, behind step(x, y) -> loss
 
 
-def build(v, comm, gcfg):
-    """The same GPT (same seed, so the same weights) wrapped the variant's way."""
-    model = GPT(gcfg, torch.Generator().manual_seed(1337)).to(comm.device)
+def build(v, comm, gcfg, meta=False):
+    """The same GPT (same seed, so the same weights) wrapped the variant's way. meta=True
+    (the memory worlds): minizero and FSDP2 build it on the meta device and make each
+    unit (FSDP2: each rank's shard) real in turn, as one does for a model too big for a
+    rank; DDP has no such path and builds it whole."""
+    meta = meta and v.kind != "ddp"
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = GPT(gcfg, None if meta else torch.Generator().manual_seed(1337))
+    model = model if meta else model.to(comm.device)
     if v.kind == "zero":
         # native=None: the engine leaves comm.native alone; we set it per step, since every
         # engine in this world shares one communicator
         engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                                  decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
-                                 offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None)
+                                 offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None,
+                                 init=model.init_weights if meta else None)
 
         def step(x, y):
             comm.native = v.native
@@ -111,6 +119,10 @@ def build(v, comm, gcfg):
         for block in model.transformer.h:
             fully_shard(block)
         fully_shard(model)
+        if meta:  # FSDP2's recipe: shard on meta, then allocate and fill only this rank's shards
+            model.to_empty(device=comm.device)
+            for name, p in model.named_parameters():
+                model.init_weights(name, p.to_local())
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
@@ -164,7 +176,7 @@ def warm_baseline(v, comm, cfg):
     """Train one step of a tiny model the variant's way, then return RSS: torch's lazily
     loaded kernels and machinery count as baseline, not as the model's memory."""
     tiny = replace(cfg, n_layer=1, n_embd=32, n_head=1)
-    step, engine = build(v, comm, gpt_config(tiny))
+    step, engine = build(v, comm, gpt_config(tiny), meta=True)
     step(*batches(tiny, comm.rank, 1)[0])
     if engine is not None:
         engine.close()
@@ -228,7 +240,7 @@ def memory_world(comm, cfg, v, n_layer=None):
     """One variant alone in a fresh world, two steps: (peak RSS, baseline RSS, Psi)."""
     torch.set_num_threads(1)
     base = warm_baseline(v, comm, cfg)
-    step, engine = build(v, comm, gpt_config(cfg, n_layer))
+    step, engine = build(v, comm, gpt_config(cfg, n_layer), meta=True)
     for x, y in batches(cfg, comm.rank, 2):  # the second step has all the optimizer state
         step(x, y)
     peak = minizero.peak_memory("cpu")

@@ -19,7 +19,8 @@ import torch
 
 import checkpoint
 from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update,
-                      default_units, gather_params, group_params, model_state_bytes, offloaded_bytes, reduce_grads,
+                      default_units, gather_params, group_params, materialize, model_state_bytes, offloaded_bytes,
+                      reduce_grads,
                       release_params, runs, sharded, tensors, zero_update)
 from offload import DiskState, disk_update
 from ops import Pending, all_gather, broadcast
@@ -34,7 +35,7 @@ class Engine:
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
                  broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
-                 pin_memory=True, overlap=True, native=None):
+                 pin_memory=True, init=None, overlap=True, native=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -43,10 +44,19 @@ class Engine:
             raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
-        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()]}
+        meta = [n for n, p in model.named_parameters() if p.is_meta]  # built under torch.device("meta")
+        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
         if len(devices) > 1:
             raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                              f"move the model to one device (model.to(device)) first")
+        if meta and init is None:
+            raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
+                             f"once its unit exists (or build the model for real)")
+        frozen_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
+                       if t.is_meta and not t.requires_grad]
+        if frozen_meta:
+            raise ValueError(f"{frozen_meta[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
+                             f"trainable parameters real: make it real first (module.to_empty, then set it)")
         if offload not in (None, "cpu", "disk"):
             raise ValueError(f"offload must be None, 'cpu' or 'disk'; got {offload!r}")
         if (offload or offload_params) and stage == 0:
@@ -97,7 +107,7 @@ class Engine:
                              f"gathers one unit at a time, so put both modules in one unit "
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
-        device = next(model.parameters()).device
+        device = comm.device if meta else next(model.parameters()).device
         if device.type == "cpu" and (offload == "cpu" or offload_params):  # say so once, change nothing
             warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
                           "so nothing moves; offload='disk' is the one that frees RAM here")
@@ -105,12 +115,17 @@ class Engine:
         self.offload, self.offload_params = offload, offload_params  # where the shards live, if not here
         self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
             if offload == "disk" else None      # the files of disk offload (offload.py)
-        groups = [(m, g) for m, g in zip(modules, groups) if g]
-        self.units = [Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
-                           [decay is None or bool(decay(n, p)) for n, p in g],
-                           Place(offload or "device", "cpu" if offload_params else "device",
-                                 pin_memory and device.type == "cuda", self.disk, i))
-                      for i, (m, g) in enumerate(groups)]
+        owners = {}  # id(param) -> [(module, key)]: where a meta parameter's real one must go
+        for module in model.modules():
+            for key, p in module._parameters.items():
+                owners.setdefault(id(p), []).append((module, key))
+        self.units = []
+        for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
+            g = materialize(g, owners, device, init) if meta else g  # one unit at a time
+            self.units.append(Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
+                                   [decay is None or bool(decay(n, p)) for n, p in g],
+                                   Place(offload or "device", "cpu" if offload_params else "device",
+                                         pin_memory and device.type == "cuda", self.disk, i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -328,6 +343,8 @@ class Engine:
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
                 u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
         self.jobs.append(self._submit(job))
+        if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
+            self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
         u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
         if self.sharded["params"]:
             self._release(u)

@@ -98,6 +98,21 @@ def group_params(model, units):
     return groups, cross
 
 
+def materialize(named, owners, device, init):
+    """For a model built on the meta device (DeepSpeed's zero.Init, FSDP2's to_empty): one
+    unit's [(name, param)] made real on device, set in every module that holds them
+    (owners: id(param) -> [(module, key)], so ties follow), and filled by init(name, p).
+    Units are made one at a time, so no rank ever holds the whole model."""
+    out = []
+    for name, p in named:
+        q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for module, key in owners[id(p)]:
+            module._parameters[key] = q
+        init(name, q)
+        out.append((name, q))
+    return out
+
+
 class Place(NamedTuple):
     """Where a unit's state lives (engine.py decides, from Engine(offload=...))."""
     state: str = "device"   # the optimizer's master, m, v: "device", "cpu" (host memory) or "disk"
@@ -184,7 +199,7 @@ def check_same_model(model, comm):
     size depends on it). Otherwise raise on every rank, naming the first difference.
     First, the model must be on the device the communicator moves tensors on."""
     device = next(model.parameters()).device
-    if device != comm.device:  # (a GPU model on CPU thread ranks would run all their backwards on one thread)
+    if device != comm.device and device.type != "meta":  # (a GPU model on CPU thread ranks would run all its backwards on one thread)
         raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
                          f"move it there first: model.to(comm.device)")
     entries, first = [], {}
@@ -356,7 +371,7 @@ def map_tensors(x, fn):
 
 _T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
 _METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf",
-                                                "grad_fn", "ndim", "layout")} | {
+                                                "grad_fn", "ndim", "layout", "is_meta", "is_cuda", "is_cpu")} | {
     _T.data.__set__, _T.grad.__set__, _T.requires_grad.__set__} | {
     getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size", "is_floating_point",
                              "requires_grad_", "register_hook", "register_post_accumulate_grad_hook")}

@@ -389,3 +389,53 @@ def test_stage0_matches_torch_ddp(gloo, name):
             assert a.keys() == b.keys()
             for k in a:
                 torch.testing.assert_close(a[k], b[k].to(a[k].dtype), rtol=1e-4, atol=1e-5, msg=k)
+
+
+# -----------------------------------------------------------------------------
+# a model too big for one rank: built on the meta device, made real one unit at a time
+
+
+def seeded_init(name, p):
+    """An init that depends only on the parameter's name: the same values however built."""
+    g = torch.Generator().manual_seed(sum(map(ord, name)))
+    with torch.no_grad():
+        p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def _tied_net(meta):
+    from test_equivalence import Net
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        return Net(11, [6, 5, 6], tie=True)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_model_built_on_the_meta_device(stage):
+    """Engine(init=...) makes each unit real in turn (ties follow): the same bits as the
+    model built for real with the same init."""
+    def body(comm, meta):
+        model = _tied_net(meta)
+        if not meta:
+            for name, p in model.named_parameters():
+                seeded_init(name, p)
+        engine = minizero.Engine(model, comm, stage, lr=0.02, init=seeded_init if meta else None)
+        assert model.head.weight is model.emb.weight and not model.emb.weight.is_meta
+        for step in range(2):
+            g = torch.Generator().manual_seed(step * 10 + comm.rank)
+            x, y = torch.randint(0, 11, (2, 3), generator=g), torch.randint(0, 11, (2, 3), generator=g)
+            engine.backward(model(x, y))
+            engine.step()
+        return engine.full_state_dict()
+    real, meta = ops.run_threads(body, 3, False), ops.run_threads(body, 3, True)
+    for a, b in zip(real, meta):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_meta_device_needs_init_and_real_buffers():
+    with pytest.raises(RuntimeError, match="pass init="):
+        ops.run_threads(lambda comm: minizero.Engine(_tied_net(True), comm, 3), 1)
+    def with_meta_buffer(comm):
+        model = _tied_net(False)
+        model.register_buffer("scale", torch.empty(3, device="meta"))
+        minizero.Engine(model, comm, 3, init=seeded_init)
+    with pytest.raises(RuntimeError, match="scale .frozen, or a buffer. is on the meta device"):
+        ops.run_threads(with_meta_buffer, 1)

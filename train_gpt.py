@@ -95,12 +95,20 @@ class GPT(nn.Module):
         # nanoGPT's init, drawn from an explicit generator: threads of one process share
         # torch's global RNG, and every rank must build the very same model
         for name, p in self.named_parameters():
-            if name.endswith("c_proj.weight"):  # residual projections, scaled by depth (GPT-2)
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * config.n_layer), generator=generator)
-            elif p.dim() >= 2:
-                nn.init.normal_(p, 0.0, 0.02, generator=generator)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
+            self.init_weights(name, p, generator)
+
+    @torch.no_grad()
+    def init_weights(self, name, p, generator=None):
+        """nanoGPT's init of one parameter; also what Engine(init=...) calls on each
+        parameter of a GPT built on the meta device, once its unit exists."""
+        if name.endswith("c_proj.weight"):  # residual projections, scaled by depth (GPT-2)
+            nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.config.n_layer), generator=generator)
+        elif p.dim() >= 2:
+            nn.init.normal_(p, 0.0, 0.02, generator=generator)
+        elif name.endswith("bias"):
+            nn.init.zeros_(p)
+        else:  # LayerNorm's weight (already 1 when built for real)
+            nn.init.ones_(p)
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())  # parameters() counts the tie once
