@@ -268,16 +268,16 @@ def test_no_trainable_parameters():
         one_rank(lambda comm: minizero.Engine(Net(3, [2, 2]).requires_grad_(False), comm, 1))
 
 
-def test_parameters_on_two_devices():
+def test_meta_parameters_without_init():
     model = Net(3, [2, 2])
-    model.layers[0].to("meta")
-    with pytest.raises(RuntimeError, match="different devices"):
+    model.layers[0].to("meta")  # built in part on the meta device, and nothing to fill it with
+    with pytest.raises(RuntimeError, match="layers.0.weight is on the meta device: pass init=fn"):
         one_rank(lambda comm: minizero.Engine(model, comm, 0))
 
 
 def test_model_on_another_device_than_the_ranks():
-    with pytest.raises(RuntimeError, match="the model is on meta, but this rank's communicator works on cpu"):
-        one_rank(lambda comm: minizero.Engine(Net(3, [2, 2]).to("meta"), comm, 0))
+    with pytest.raises(RuntimeError, match="the model is on cpu, but this rank's communicator works on meta"):
+        ops.run_threads(lambda comm: minizero.Engine(Net(3, [2, 2]), comm, 0), 1, device=torch.device("meta"))
 
 
 def test_unit_list_that_misses_or_repeats():
