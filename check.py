@@ -237,6 +237,7 @@ def _rank(comm, stage, spec):
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
             kept.append(_kept_too_much(engine))
+        memory = _memory(engine, engine.memory, engine.offloaded())  # measured with the reduced shards alive
         scale, steps_before = engine.scale, [list(u.steps) for u in engine.units]
         stepped = engine.step()
         sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
@@ -245,7 +246,7 @@ def _rank(comm, stage, spec):
         live = [(u.flat if u.shard is None else u.shard).clone() for u in engine.units]  # the 16-bit params
         out["hist"].append(dict(grads=grads, live=live, scale=scale, stepped=stepped, sent=sent, used=used,
                                 kept=next((k for k in kept if k), None),
-                                memory=_memory(engine, engine.memory, engine.offloaded()),
+                                memory=memory,
                                 state=engine.full_state_dict()))
     engine.close()
     return out
@@ -267,6 +268,8 @@ def _kept_too_much(engine):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"
+        if engine.micro == 0 and (u.reduced is not None or u.full_grad is not None):
+            return f"{u.names[0]}'s reduced gradient survived the step"
     return None
 
 

@@ -455,11 +455,10 @@ class Engine:
         return False
 
     def _drop_grads(self):
-        """After a step: only a sharded gradient is kept between steps (what memory() counts)."""
+        """After a step: no reduced gradient is kept to the next (FSDP2's zero_grad(set_to_none=True));
+        stages 0-1 keep their whole-gradient bucket, as DDP keeps its buckets."""
         for u in self.units:
-            u.full_grad, u.used = None, [False] * len(u.params)
-            if not self.sharded["grads"]:
-                u.reduced = None
+            u.reduced, u.full_grad, u.used = None, None, [False] * len(u.params)
 
     # ---- what leaves the engine
 
@@ -485,13 +484,19 @@ class Engine:
         return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
 
     def memory(self):
-        """Bytes of the tensors this rank keeps on its device between steps, by category
-        (what is offloaded, offloaded() counts)."""
+        """Bytes of the model state this rank holds on its device at a step's update, by
+        category (what is offloaded, offloaded() counts). Stages 2-3's reduced gradient
+        shards live only from a step's first reduction to its update: between steps, count
+        the ones the next step makes."""
         params = grads = opt = 0
         own = self.dtype != torch.float32 or self.offload  # a master apart from the params
         for u in self.units:
             params += _nbytes(self.device, u.shard if self.sharded["params"] else u.flat)
-            grads += _nbytes(self.device, u.reduced if self.sharded["grads"] else u.grad)
+            if not self.sharded["grads"]:
+                grads += _nbytes(self.device, u.grad)
+            else:
+                grads += _nbytes(self.device, u.reduced) if u.reduced is not None else \
+                    u.shard_size * self.reduce_dtype.itemsize
             opt += _nbytes(self.device, u.m, u.v, u.master if own else None)
         return {"params": params, "grads": grads, "optimizer": opt}
 

@@ -164,8 +164,8 @@ class Unit:
         self.v = None if master is None else torch.zeros_like(master)  # ...and its second moment
         self.grad = None if sharded["grads"] else torch.zeros_like(self.flat)  # stages 0-1: full bucket
         self.local = None                           # stages 2-3: that bucket, alive only until reduced
-        self.reduced = torch.zeros(self.shard_size, dtype=reduce_dtype, device=self.flat.device) \
-            if sharded["grads"] else None           # the reduced gradient shard, summed over micro-batches
+        self.reduced = None                         # the reduced gradient shard, summed over micro-batches:
+                                                    # made by a step's first reduction, freed after its update
         self.full_grad = None                       # stage 0: the reduced gradient, all-gathered
         self.arrived = set()                        # parameters whose gradient came in this micro-batch
         self.ready = False                          # its local gradient is complete (this micro-batch)
