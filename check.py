@@ -62,18 +62,18 @@ class Divergence:
     micro: Optional[int]  # the micro-batch, for grads
     rank: int
     name: str            # the parameter (or buffer, "padding", a memory or ledger category)
-    index: int           # the first differing element, inside that parameter
-    ours: float
-    theirs: float        # stage 0's, rank 0's, torch's or the formula's value
-    max_abs: float       # over the whole tensor
-    max_ulp: int
+    index: int = 0       # the first differing element, inside that parameter
+    ours: float = 0
+    theirs: float = 0    # stage 0's, rank 0's, torch's or the formula's value
+    max_abs: float = 0   # over the whole tensor
+    max_ulp: int = 0
 
     def __str__(self):
-        against = {"grads": "stage 0", "params": "stage 0", "ranks": "rank 0", "memory": "the formula",
-                   "bytes": "the formula", "error": ""}.get(self.what, "torch")
-        where = f"step {self.step}" + (f", micro-batch {self.micro}" if self.micro is not None else "")
         if self.what == "error":
             return f"world size {self.world_size}, stage {self.stage}: {self.name}"
+        against = {"grads": "stage 0", "params": "stage 0", "ranks": "rank 0", "memory": "the formula",
+                   "bytes": "the formula"}.get(self.what, "torch")
+        where = f"step {self.step}" + (f", micro-batch {self.micro}" if self.micro is not None else "")
         return (f"{self.what} differ at {where}, world size {self.world_size}, stage {self.stage}, "
                 f"rank {self.rank}: {self.name}[{self.index}] is {self.ours!r} here, {self.theirs!r} in "
                 f"{against} (max abs diff {self.max_abs:.3g}, {self.max_ulp} ULP)")
@@ -169,6 +169,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
     restore = _deterministic(device)
+    buffers = {nm for nm, _ in model.named_buffers()}
     try:
         for n in world_sizes:
             runs = {}
@@ -183,11 +184,11 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                         runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
                                                   timeout=timeout)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
-                    row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0], 0, 0, 0, 0, 0)
+                    row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
                     report.rows.append(row)
                     continue
                 row.seconds = time.perf_counter() - t0
-                _compare(row, runs[s], runs.get(0), n, s, dtype, {nm for nm, _ in model.named_buffers()})
+                _compare(row, runs[s], runs.get(0) if s else None, n, s, buffers)
                 if s == 0 and referee:
                     _referee(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
@@ -227,9 +228,9 @@ def _rank(comm, stage, spec):
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
     layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size) for u in engine.units]
-    out = dict(layout=layout, formula=_memory(engine, engine.formula, engine.formula(offloaded=True)),
-               numel=engine.numel(), grad_accum=engine.grad_accum,
-               initial=engine.full_state_dict(), hist=[])
+    out = dict(layout=layout, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
+               bytes=engine.formula(sent=True), grad_accum=engine.grad_accum,
+               initial=engine.full_state_dict() if stage == 0 else None, hist=[])  # (the referee's start)
     for step in range(spec["steps"]):
         before, grads, kept = dict(comm.sent), [], []
         for micro in range(engine.grad_accum):
@@ -237,7 +238,7 @@ def _rank(comm, stage, spec):
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
             kept.append(_kept_too_much(engine))
-        memory = _memory(engine, engine.memory, engine.offloaded())  # measured with the reduced shards alive
+        memory = _memory(engine.memory(), engine.offloaded())  # measured with the reduced shards alive
         scale, steps_before = engine.scale, [list(u.steps) for u in engine.units]
         stepped = engine.step()
         sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
@@ -252,9 +253,9 @@ def _rank(comm, stage, spec):
     return out
 
 
-def _memory(engine, resident, offloaded):
+def _memory(resident, offloaded):
     """Resident bytes by category, and offloaded bytes by where: measured or formula."""
-    return {**resident(), **{f"offloaded to {k}": v for k, v in offloaded.items()}}
+    return {**resident, **{f"offloaded to {k}": v for k, v in offloaded.items()}}
 
 
 def _to(batch, device):
@@ -288,7 +289,7 @@ def _jitter(engine, rng):
 # the comparisons
 
 
-def _compare(row, ranks, base, n, stage, dtype, buffers):
+def _compare(row, ranks, base, n, stage, buffers):
     """Fill row: this stage against stage 0 (base), every rank's parameters against rank
     0's (buffers follow rank 0's at the next forward, as in DDP), and the formulas."""
     for step, h0 in enumerate(ranks[0]["hist"]):
@@ -315,19 +316,18 @@ def _compare(row, ranks, base, n, stage, dtype, buffers):
                 row.memory_ok = False
                 key = next((k for k in h["memory"] if h["memory"][k] != run["formula"][k]), h["kept"])
                 found.append(Divergence("memory", n, stage, step, None, r, key, 0, h["memory"].get(key, 0),
-                                        run["formula"].get(key, 0), 0, 0))
-            expect = _bytes(run, n, stage, dtype, h["stepped"])
+                                        run["formula"].get(key, 0)))
+            expect = _bytes(run, stage, h["stepped"])
             if h["sent"] != expect:
                 row.bytes_ok = False
                 key = next(k for k in KEPT if h["sent"][k] != expect[k])
-                found.append(Divergence("bytes", n, stage, step, None, r, key, 0, h["sent"][key], expect[key], 0, 0))
+                found.append(Divergence("bytes", n, stage, step, None, r, key, 0, h["sent"][key], expect[key]))
             if row.first is None:
                 row.first = next((d for d in found if d is not None), None)
 
 
-def _bytes(run, n, stage, dtype, stepped):
-    import minizero
-    expect = minizero.comm_bytes_per_step(run["numel"], n, stage, dtype, run["grad_accum"])
+def _bytes(run, stage, stepped):
+    expect = dict(run["bytes"])
     if not stepped and stage in (1, 2):  # a skipped step gathers no params (stage 0 gathered its grads)
         expect["all_gather"] = 0
     return {k: expect.get(k, 0) for k in KEPT}
@@ -336,9 +336,8 @@ def _bytes(run, n, stage, dtype, stepped):
 def _diff(row, what, a, b, where, rank, step, micro, n, stage):
     """None if a and b are the same bits; else a Divergence at their first difference.
     where is a parameter's name, or a unit's layout (names, offsets, sizes, shard size)."""
-    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) and not torch.isnan(a).any() \
-            or (a.is_floating_point() and torch.equal(a.nan_to_num(), b.nan_to_num())
-                and torch.equal(a.isnan(), b.isnan())):
+    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) \
+            and torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0)):  # NaN where NaN
         return None
     x, y = a.double().reshape(-1), b.double().reshape(-1)
     bad = ((x != y) & ~(x.isnan() & y.isnan())).nonzero()

@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
-from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, ddp_reduce, ddp_update,
-                      default_units, gather_params, group_params, materialize, model_state_bytes, offloaded_bytes,
-                      reduce_grads,
-                      release_params, runs, sharded, tensors, zero_update)
+from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
+                      ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
+                      model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
+                      zero_update)
 from offload import DiskState, disk_update
 from ops import Pending, all_gather, broadcast
 
@@ -513,10 +513,15 @@ class Engine:
         """Ψ as laid out: trainable parameters plus padding."""
         return sum(u.padded for u in self.units)
 
-    def formula(self, offloaded=False):
-        """What memory() (or, offloaded=True, offloaded()) must be: minizero's formulas."""
-        what = offloaded_bytes if offloaded else model_state_bytes
-        return what(self.numel(), self.comm.world_size, self.stage, self.dtype, self.offload, self.offload_params)
+    def formula(self, offloaded=False, sent=False):
+        """What memory() (offloaded=True: offloaded(); sent=True: the bytes one step sends,
+        by the ledger's kinds) must be: minizero's formulas."""
+        layout = self.numel(), self.comm.world_size, self.stage, self.dtype
+        if sent:
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype)
+        if offloaded:
+            return offloaded_bytes(*layout, self.offload, self.offload_params)
+        return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype)
 
     def optimizer_state(self, u):
         """This rank's fp32 master, m and v of unit u, as {"master", "m", "v"} (from disk

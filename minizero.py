@@ -412,13 +412,16 @@ def clip_coef(grad_shards, max_norm, comm):
 # 3. the formulas
 
 
-def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False):
+def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+                      reduce_dtype=None):
     """Bytes of model state resident per rank, for numel (padded) parameters. 16-bit
     compute: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ,
     grads 4Ψ, optimizer 8Ψ (the params are the master). Each is cut N ways once it is
-    sharded. Offloaded state (offloaded_bytes) is not resident: 0 here."""
+    sharded; a sharded grad is the reduced shard, in reduce_dtype. Offloaded state
+    (offloaded_bytes) is not resident: 0 here."""
     d = torch.finfo(dtype).bits // 8
-    per = {"params": 0 if offload_params else d, "grads": d,
+    g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
+    per = {"params": 0 if offload_params else d, "grads": g,
            "optimizer": 0 if offload else 8 + (4 if d != 4 else 0)}
     return {k: per[k] * numel // (world_size if cut else 1) for k, cut in sharded(stage).items()}
 
@@ -435,16 +438,17 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
     return out
 
 
-def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1):
+def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None):
     """Payload bytes one rank sends in one step: each ring collective over Ψ elements
-    sends (N-1)/N·Ψ. Gradients are reduce-scattered once per micro-batch; sharded params
-    are gathered twice per micro-batch (forward and backward), whole ones once per step
-    (the grads at stage 0, the updated params at 1-2)."""
-    per = (world_size - 1) * (numel // world_size) * (torch.finfo(dtype).bits // 8)
+    sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are reduce-scattered once per micro-batch;
+    sharded params are gathered twice per micro-batch (forward and backward), whole ones
+    once per step (the grads at stage 0, the updated params at 1-2)."""
     if world_size == 1:
         return {}
-    return {"reduce_scatter": per * grad_accum,
-            "all_gather": per * (2 * grad_accum if sharded(stage)["params"] else 1)}
+    per = lambda t: (world_size - 1) * (numel // world_size) * (torch.finfo(t).bits // 8)  # noqa: E731
+    grad, param = per(reduce_dtype or dtype), per(dtype)
+    gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
+    return {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
 
 
 def peak_memory(device):

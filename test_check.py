@@ -69,6 +69,13 @@ def test_a_correct_engine_passes():
     assert all(r.max_diff == 0 for r in report.rows) and "all stages agree" in str(report)
 
 
+def test_grads_reduced_in_fp32_under_bf16_match_the_formulas():
+    # the reduced shards (memory at stages 2-3) and every gradient collective are fp32, the params bf16
+    report = run(world_sizes=(3,), dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert report.ok, report.first
+    assert all(r.memory_ok and r.bytes_ok for r in report.rows)
+
+
 def test_a_model_that_draws_from_the_global_rng():
     first = run(model=dict(noisy=True)).first
     assert (first.what, first.step, first.micro, first.stage, first.name) == ("grads", 0, 0, 1, "gate")

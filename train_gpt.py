@@ -469,7 +469,7 @@ def train(comm, cfg):
         train_curve.append((step, loss_sum / c.grad_accum))
         if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
-            expect = minizero.comm_bytes_per_step(engine.numel(), N, c.stage, dtype, c.grad_accum)
+            expect = engine.formula(sent=True)
             log("bytes sent per step by rank 0: " + ", ".join(
                 f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
         if step % 10 == 0 or step == c.steps - 1:
