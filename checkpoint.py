@@ -262,9 +262,9 @@ def consolidate(path):
 
 def _assemble(u, params, key):
     """One unit's padded fp32 vector of `key`, in this layout, from per-name values."""
-    x = torch.zeros(u.padded, dtype=torch.float32, device=u.flat.device)
+    x = torch.zeros(u.padded, dtype=torch.float32)  # on the host, as read: each rank copies its chunk over
     for n, p, o in zip(u.names, u.params, u.offsets):
-        x[o:o + p.numel()] = params[n][key].reshape(-1).to(x.device)
+        x[o:o + p.numel()] = params[n][key].reshape(-1)
     return x
 
 

@@ -116,16 +116,16 @@ class Engine:
         self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
             if offload == "disk" else None      # the files of disk offload (offload.py)
         owners = {}  # id(param) -> [(module, key)]: where a meta parameter's real one must go
-        for module in model.modules():
+        for module in model.modules() if meta else []:
             for key, p in module._parameters.items():
                 owners.setdefault(id(p), []).append((module, key))
+        place = Place(offload or "device", "cpu" if offload_params else "device",
+                      pin_memory and device.type == "cuda", self.disk)
         self.units = []
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if meta else g  # one unit at a time
-            self.units.append(Unit(m, g, comm, dtype, self.reduce_dtype, self.sharded,
-                                   [decay is None or bool(decay(n, p)) for n, p in g],
-                                   Place(offload or "device", "cpu" if offload_params else "device",
-                                         pin_memory and device.type == "cuda", self.disk, i)))
+            self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
+                                   place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -276,9 +276,12 @@ class Engine:
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
         mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
-        state = self.optimizer_state(u)
-        state["master"].copy_(mine)
-        self.set_optimizer_state([(u, state)])
+        if self.disk is None:
+            u.master.copy_(mine)
+        else:  # m and v are read back too: a unit's slot is written whole
+            state = self.optimizer_state(u)
+            state["master"].copy_(mine)
+            self.set_optimizer_state([(u, state)])
         if u.shard is not None and u.shard is not u.master:
             u.shard.copy_(mine)
         elif u.shard is None and full is not u.flat:
@@ -321,7 +324,7 @@ class Engine:
 
     def _log(self, u, what):
         """Fold (unit, gather or reduce) into this rank's trace, compared across ranks at step()."""
-        self.trace = (self.trace * 1_000_003 + 2 * self.units.index(u) + what + 1) % 2 ** 52
+        self.trace = (self.trace * 1_000_003 + 2 * u.index + what + 1) % 2 ** 52
 
     def _reduce(self, u):
         """Reduce the unit's gradient on the communication thread; what each rank keeps
@@ -389,18 +392,18 @@ class Engine:
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
-        before = [u.steps for u in self.units]
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
-            disk_update(self, hp, before)
-        for u in self.units if self.disk is None else []:
-            if self.sharded["optimizer"]:
-                lo = self.comm.rank * u.shard_size
-                zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
-                            self.comm, u.flat, u.shard)
-            else:
-                ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
+            disk_update(self, hp)
+        else:
+            for u in self.units:
+                if self.sharded["optimizer"]:
+                    lo = self.comm.rank * u.shard_size
+                    zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
+                                self.comm, u.flat, u.shard)
+                else:
+                    ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
         self.t += 1
         self.skips_in_row = 0
         self._drop_grads()
@@ -468,7 +471,7 @@ class Engine:
         values = {}
         self._drain()
         for u in self.units:
-            master = self.optimizer_state(u)["master"].to(self.device)
+            master = self.optimizer_state(u, ("master",))["master"].to(self.device)
             full = all_gather(master, self.comm, kind="state_dict") if self.sharded["optimizer"] else master
             for p, o in zip(u.params, u.offsets):
                 values[id(p)] = full[o:o + p.numel()].view(p.shape)
@@ -489,7 +492,7 @@ class Engine:
         shards live only from a step's first reduction to its update: between steps, count
         the ones the next step makes."""
         params = grads = opt = 0
-        own = self.dtype != torch.float32 or self.offload  # a master apart from the params
+        own = self.dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
         for u in self.units:
             params += _nbytes(self.device, u.shard if self.sharded["params"] else u.flat)
             if not self.sharded["grads"]:
@@ -523,21 +526,21 @@ class Engine:
             return offloaded_bytes(*layout, self.offload, self.offload_params)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype)
 
-    def optimizer_state(self, u):
-        """This rank's fp32 master, m and v of unit u, as {"master", "m", "v"} (from disk
-        if they live there: a copy)."""
+    def optimizer_state(self, u, keys=checkpoint.STATE):
+        """This rank's fp32 master, m and v of unit u (or the first of them: keys), as
+        {key: tensor} (from disk if they live there: a copy)."""
         if self.disk is None:
-            return {"master": u.master, "m": u.m, "v": u.v}
-        return dict(zip(("master", "m", "v"), self.disk.read(self.units.index(u)).view(3, -1)))
+            return {k: getattr(u, k) for k in keys}
+        return dict(zip(keys, self.disk.read(u.index, len(keys)).view(len(keys), -1)))
 
     def set_optimizer_state(self, states):
         """(unit, {"master", "m", "v"}) pairs as this rank's optimizer state. On disk they go
         to the other slots and count once all are written: a failed write changes nothing."""
         for u, state in states:
             if self.disk is not None:
-                self.disk.write(self.units.index(u), torch.cat([state[k].reshape(-1) for k in ("master", "m", "v")]))
+                self.disk.write(u.index, torch.cat([state[k].reshape(-1) for k in checkpoint.STATE]))
             else:
-                for k in ("master", "m", "v"):
+                for k in checkpoint.STATE:
                     getattr(u, k).copy_(state[k])
         if self.disk is not None:
             self.disk.finish()

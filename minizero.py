@@ -132,8 +132,9 @@ class Unit:
     """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
     everything this rank keeps for it. What the stage shards is held as rank r's chunk."""
 
-    def __init__(self, module, named, comm, dtype, reduce_dtype, sharded, decays, place=None):
+    def __init__(self, module, named, comm, dtype, sharded, decays, place):
         N, r = comm.world_size, comm.rank
+        self.index = place.index                    # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
         self.names = [n for n, _ in named]          # their names in the model, in registration order
         self.params = [p for _, p in named]         # the nn.Parameters: views into flat
@@ -150,7 +151,6 @@ class Unit:
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
         self.point(self.flat)
         broadcast(self.flat, comm)  # as DDP does: every rank starts from rank 0's values
-        place = place or Place()
         mine = self.chunk(self.flat, r) if sharded["optimizer"] else self.flat
         self.shard = place.host(mine.clone(), place.params) if sharded["params"] else None  # stage 3: gathered
         mine = mine if self.shard is None else self.shard

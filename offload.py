@@ -113,13 +113,13 @@ class DiskState:
         self.closer()
 
 
-def disk_update(engine, hp, before):
+def disk_update(engine, hp):
     """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master,
     m and v stream in (the next unit's read runs alongside), are updated on the host
     (minizero.update) and stream out to the files' other slot. Only once every rank has
     written every unit (one small collective) do the slots swap and the params follow,
     as in zero_update (share_params): a failed write (a full disk) leaves params, moments
-    and step counts (`before`, restored) as they were."""
+    and step counts (this step's increments taken back) as they were."""
     disk, units, error = engine.disk, engine.units, ""
     try:
         for i, state in disk.stream(range(len(units))):
@@ -131,8 +131,8 @@ def disk_update(engine, hp, before):
         error = str(e)
     done = all_gather(torch.tensor([0.0 if error else 1.0], device=engine.device), engine.comm, kind="offload")
     if not done.all():
-        for u, steps in zip(units, before):
-            u.steps = steps
+        for u in units:
+            u.steps = [t - used for t, used in zip(u.steps, u.used)]
         engine._drop_grads()
         failed = [k for k, x in enumerate(done.tolist()) if not x]
         raise RuntimeError(f"step {engine.t + 1} not taken: rank(s) {failed} could not write the offloaded "
