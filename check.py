@@ -32,11 +32,9 @@ Any difference between stages is a finding: the stages are equal by construction
 stage, rank, parameter, element, both values, and the difference in ULPs.
 """
 import copy
-import importlib
 import os
 import pickle
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -452,63 +450,3 @@ def _referee_divergence(what, ours, theirs, name, step, n):
     i = int((x - y).abs().argmax())
     return Divergence(what, n, 0, step, None, 0, name, i, float(x[i]), float(y[i]), float((x - y).abs().max()),
                       _ulps(ours.float(), theirs.float()))
-
-
-# -----------------------------------------------------------------------------
-# the command line: python minizero.py check FILE.py [...]
-
-
-def main(argv):
-    """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
-    import argparse
-    ap = argparse.ArgumentParser(prog="python minizero.py check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
-                                 "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")
-    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-    ap.add_argument("--world-sizes", type=ints, default=(1, 2, 3, 4))
-    ap.add_argument("--stages", type=ints, default=(0, 1, 2, 3))
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"])
-    ap.add_argument("--grad-accum", type=int)
-    ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
-    ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
-    a = ap.parse_args(argv)
-    try:
-        user = _load(a.file)
-        kw = dict(getattr(user, "ENGINE", {}))
-        if a.dtype:
-            kw["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[a.dtype]
-        if a.grad_accum:
-            kw["grad_accum"] = a.grad_accum
-        if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
-            raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
-        t0 = time.perf_counter()
-        report = check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
-                       world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
-                       jitter=a.jitter, device=a.device, **kw)
-    except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
-        print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    print(report)
-    print(f"{time.perf_counter() - t0:.1f} s")
-    errors = [r.first for r in report.rows if r.first is not None and r.first.what == "error"]
-    if errors:
-        print(f"check: {a.file}: the model failed to run: {errors[0].name}", file=sys.stderr)
-        return 2
-    return 0 if report.ok else 1
-
-
-def _load(path):
-    """Import FILE.py as a module by its name (so that processes can import it too)."""
-    if not os.path.isfile(path):
-        raise OSError(f"no such file {path}")
-    folder, name = os.path.split(os.path.abspath(path))
-    sys.path.insert(0, folder)
-    sys.modules.pop(os.path.splitext(name)[0], None)  # another file of that name may be loaded
-    module = importlib.import_module(os.path.splitext(name)[0])
-    for fn in ("make_model", "make_batch"):
-        if not callable(getattr(module, fn, None)):
-            raise AttributeError(f"it defines no function {fn}(); see example_check.py")
-    return module

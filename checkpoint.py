@@ -273,18 +273,3 @@ def _check_same(path, ours, theirs, what):
         if ours.get(n) != theirs.get(n):
             raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
                              f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
-
-
-def main(args):
-    """python minizero.py consolidate CHECKPOINT_DIR OUT.pt: a plain state_dict, no process group."""
-    if len(args) != 2:
-        raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
-    path, out = args
-    folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
-    if os.path.isdir(out):
-        raise ValueError(f"OUT {out} is a directory; give a file name, like {os.path.join(out, 'model.pt')}")
-    if not os.path.isdir(folder):
-        raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
-    state = consolidate(path)
-    torch.save(state, out)
-    print(f"wrote {len(state)} tensors to {out}; model.load_state_dict(torch.load(...)) takes them")

@@ -6,7 +6,8 @@ ZeRO stages 1, 2 and 3. This file is what ZeRO computes, read top to bottom:
     2. the stages    what each stage keeps, and the functions that reduce, update and gather
     3. the formulas  bytes kept and sent per rank, which the tests hold the engine to
 
-engine.py wires these functions to autograd's hooks (minizero.Engine is that engine).
+engine.py wires these functions to autograd's hooks (minizero.Engine is that engine);
+`python minizero.py ...` is the command line of cli.py (planner, consolidate, check).
 
 A model's trainable parameters are grouped into units (each block of an nn.ModuleList,
 plus the root for the rest); each unit is flattened into one buffer padded to a multiple
@@ -24,7 +25,6 @@ gradient shard is the same bits in every stage; AdamW is elementwise, so updatin
 gives the same bits as updating the whole buffer. Hence every stage is bit-identical to
 DDP. DESIGN.md has the whole argument.
 """
-import argparse
 import dataclasses
 import math
 import resource
@@ -35,7 +35,6 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-import checkpoint
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
 
@@ -458,84 +457,6 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-# -----------------------------------------------------------------------------
-# the command line: the planner, checkpoint consolidation, and the check (check.py)
-#   python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB]
-#   python minizero.py consolidate DIR OUT.pt
-#   python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] ...
-
-
-def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
-    """Lines of the planner's table, from the same formulas the tests hold the engine to."""
-    if not (math.isfinite(params) and params >= 1):
-        raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
-    if world_size < 1:
-        raise ValueError(f"the world size must be at least 1 rank; got {world_size}")
-    if memory is not None and not (math.isfinite(memory) and memory > 0):
-        raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
-    numel = -(-int(params) // world_size) * world_size
-    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
-    for stage in range(4):
-        off = offload if stage else None  # stage 0 keeps the whole state on the device
-        b = model_state_bytes(numel, world_size, stage, dtype, off)
-        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype).values())
-        gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
-        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off).values())] if offload else []
-        rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
-        if memory:
-            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype, off).values()) / world_size
-            rows[-1].append(f"{memory / per_param:.3g} parameters")
-    if memory:
-        rows[0].append("largest model that fits")
-    cols = 7 if offload else 6
-    widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]  # so that numbers never run together
-    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
-             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
-             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master, m, v in {offload} "
-                f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
-    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
-                      + "".join("  " + c for c in r[cols:]) for r in rows]
-
-
-BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text):
-    """'80GB', '80GiB', '1TB', '512MB', '1.5TiB', or a bare number of GB -> bytes."""
-    number = text.strip().rstrip("BbIiKkMmGgTt")
-    unit = text.strip()[len(number):].lower() or "gb"
-    if unit not in BYTES:
-        raise ValueError(f"--memory {text!r}: the unit must be one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
-    try:
-        return float(number) * BYTES[unit]
-    except ValueError:
-        raise ValueError(f"--memory {text!r} is not a size; give memory per rank like 80GB, 80GiB or 80 (GB)")
-
-
-def main(argv):
-    if argv[:1] == ["check"]:  # python minizero.py check FILE.py: the proof on your model (check.py)
-        from check import main as check_main
-        sys.exit(check_main(argv[1:]))
-    try:
-        if argv[:1] == ["consolidate"]:
-            return checkpoint.main(argv[1:])
-        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
-        ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
-        ap.add_argument("--world-size", type=int, required=True)
-        ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-        ap.add_argument("--memory", help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
-                                         "also print the largest model per stage")
-        ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
-                                                                   "(stages 1-3): print what stays resident")
-        a = ap.parse_args(argv)
-        memory = parse_bytes(a.memory) if a.memory is not None else None
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
-        print("\n".join(plan(a.params, a.world_size, dtype, memory, a.offload)))
-    except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
-        print(f"minizero.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":  # the planner, consolidate and check: cli.py
+    from cli import main
     main(sys.argv[1:])

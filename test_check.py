@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import cli
 import check
 import engine
 import minizero
@@ -198,7 +199,7 @@ USER = """
 @pytest.mark.parametrize("extra, code", [("", 0), ("* (1 + torch.rand(()))", 1)])
 def test_cli_exit_status(tmp_path, capsys, extra, code):
     path = write(tmp_path, USER.format(extra=extra))
-    assert check.main([path, "--world-sizes", "1,2", "--steps", "2"]) == code
+    assert cli.check_main([path, "--world-sizes", "1,2", "--steps", "2"]) == code
     out = capsys.readouterr().out
     assert ("all stages agree" in out) == (code == 0) and ("first divergence: grads differ" in out) == (code == 1)
 
@@ -208,7 +209,7 @@ def test_cli_exit_status(tmp_path, capsys, extra, code):
     (USER.format(extra="+ undefined_name"), "the model failed to run"),
 ])
 def test_cli_bad_input_is_one_line_and_2(tmp_path, capsys, body, says):
-    assert check.main([write(tmp_path, body), "--world-sizes", "2"]) == 2
+    assert cli.check_main([write(tmp_path, body), "--world-sizes", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and len(err.splitlines()) == 1
 
@@ -216,9 +217,9 @@ def test_cli_bad_input_is_one_line_and_2(tmp_path, capsys, body, says):
 def test_cli_device(tmp_path, capsys):
     """--device cpu is the default spelled out; --device cuda without a GPU is one line and 2."""
     path = write(tmp_path, USER.format(extra=""))
-    assert check.main([path, "--world-sizes", "2", "--steps", "1", "--device", "cpu"]) == 0
+    assert cli.check_main([path, "--world-sizes", "2", "--steps", "1", "--device", "cpu"]) == 0
     if not torch.cuda.is_available():
-        assert check.main([path, "--world-sizes", "2", "--device", "cuda"]) == 2
+        assert cli.check_main([path, "--world-sizes", "2", "--device", "cuda"]) == 2
         err = capsys.readouterr().err.strip()
         assert "sees no CUDA GPU" in err and len(err.splitlines()) == 1
 

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cli
 import checkpoint
 import minizero
 import ops
@@ -101,7 +102,7 @@ def test_consolidate_equals_full_state_dict_and_loads(tmp_path, stage):
     model, batches = make(c)
     model.register_buffer("counter", torch.tensor([7]))
     states = ops.run_threads(train, 3, stage, model, batches, c["engine"], 3, None, str(tmp_path))
-    minizero.main(["consolidate", str(tmp_path), str(tmp_path / "model.pt")])
+    cli.main(["consolidate", str(tmp_path), str(tmp_path / "model.pt")])
     state = torch.load(tmp_path / "model.pt")
     assert list(state) == list(model.state_dict())
     assert_same(state, states[0][3])

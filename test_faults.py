@@ -1,10 +1,13 @@
 """
 Faults and bad input: no rank outlives its launcher, the rank that died is the one named,
 and every user error of the three command lines is one line naming the fix, found before
-any rank starts. (Checkpoint faults are in test_checkpoint.py.)
+any rank starts; and an install that ships every module. (Checkpoint faults are in
+test_checkpoint.py.)
 """
+import ast
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import cli
 import minizero
 import ops
 import train_gpt as tg
@@ -212,20 +216,20 @@ def test_train_gpt_command_line_error_has_no_traceback():
     ("--params 1e9 --world-size 8 --memory 80GG", "the unit must be one of B, KB, MB, GB, TB"),
 ])
 def test_planner_bad_input_is_one_line(capsys, argv, says):
-    assert says in one_line_error(capsys, minizero.main, argv.split(), "minizero.py")
+    assert says in one_line_error(capsys, cli.main, argv.split(), "minizero.py")
 
 
 def test_planner_memory_units(capsys):
     for text, n in [("80GB", 80e9), ("80GiB", 80 * 2**30), ("1TB", 1e12), ("512MB", 512e6),
                     ("1.5TiB", 1.5 * 2**40), ("80", 80e9), ("80gb", 80e9), ("2048 KiB", 2**21)]:
-        assert minizero.parse_bytes(text) == n, text
-    minizero.main(["--params", "7.5e9", "--world-size", "64", "--memory", "80GiB"])
+        assert cli.parse_bytes(text) == n, text
+    cli.main(["--params", "7.5e9", "--world-size", "64", "--memory", "80GiB"])
     assert capsys.readouterr().out.splitlines()[2].endswith(f"{80 * 2**30 / 16:.3g} parameters")
 
 
 @pytest.mark.parametrize("params, world_size", [(1e15, 1), (1e15, 3), (7.5e9, 64), (1, 1)])
 def test_planner_columns_never_run_together(params, world_size):
-    lines = minizero.plan(params, world_size, torch.float32, memory=1e12)
+    lines = cli.plan(params, world_size, torch.float32, memory=1e12)
     assert lines[1].split()[:6] == ["stage", "params", "grads", "optimizer", "total/rank", "sent/step"]
     numel = -(-int(params) // world_size) * world_size
     for stage, line in enumerate(lines[2:]):
@@ -242,5 +246,19 @@ def test_consolidate_bad_paths_are_one_line(tmp_path, capsys, monkeypatch):
                        (["ckpt", "ckpt"], f"OUT ckpt is a directory; give a file name, like {os.path.join('ckpt', 'model.pt')}"),
                        (["ckpt", "model.pt"], "no complete checkpoint in ckpt"),
                        (["ckpt"], "usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")]:
-        assert says in one_line_error(capsys, minizero.main, ["consolidate", *argv], "minizero.py")
+        assert says in one_line_error(capsys, cli.main, ["consolidate", *argv], "minizero.py")
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_pip_install_ships_every_module_the_library_imports():
+    """`pip install .` (not -e) ships only pyproject's py-modules: a module they import that
+    is missing there installs a minizero whose Engine fails to import."""
+    with open(os.path.join(HERE, "pyproject.toml")) as f:
+        listed = set(re.findall(r'"(\w+)"', re.search(r"py-modules = \[(.*?)\]", f.read()).group(1)))
+    local = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")}
+    for name in listed:
+        with open(os.path.join(HERE, name + ".py")) as f:
+            tree = ast.parse(f.read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+                   {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert imported & local <= listed, f"{name}.py imports {sorted(imported & local - listed)}: add to py-modules"

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 
+import cli
 import minizero
 import offload
 import ops
@@ -159,7 +160,7 @@ def test_offload_files_go_at_normal_exit(tmp_path):
 
 
 def test_planner_prints_what_stays_resident():
-    lines = minizero.plan(7.5e9, 64, torch.bfloat16, memory=80e9, offload="disk")
+    lines = cli.plan(7.5e9, 64, torch.bfloat16, memory=80e9, offload="disk")
     rows = {line.split()[0]: line.split() for line in lines if line[:1].isdigit()}
     # the ZeRO paper's 7.5B on 64 GPUs: stage 3 keeps 2 + 2 bytes of the 16 per parameter, / 64
     assert rows["3"][1:7] == ["0.23", "0.23", "0.00", "0.47", "44.30", "1.41"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import cli
 import minizero
 import ops
 from test_equivalence import FIXED, assert_same, make
@@ -82,7 +83,7 @@ def test_engine_casts_float_inputs_to_the_compute_dtype():
 
 
 def test_planner_prints_the_formula():
-    lines = minizero.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
+    lines = cli.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
     for stage, line in enumerate(lines[2:]):
         b = minizero.model_state_bytes(7.5e9, 64, stage)
         assert f"{sum(b.values()) / 1e9:.2f}" in line

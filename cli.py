@@ -1,0 +1,175 @@
+"""
+The command line of `python minizero.py` (train_gpt.py has its own):
+
+    python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB] [--offload disk]
+    python minizero.py consolidate CHECKPOINT_DIR OUT.pt
+    python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] [--processes] ...
+
+A user's mistake is one line on stderr and exit status 2; tracebacks are for bugs.
+"""
+import argparse
+import importlib
+import math
+import os
+import sys
+import time
+
+import torch
+
+import checkpoint
+from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
+
+
+def main(argv):
+    if argv[:1] == ["check"]:  # the proof on your model (check.py)
+        sys.exit(check_main(argv[1:]))
+    try:
+        if argv[:1] == ["consolidate"]:
+            return consolidate_main(argv[1:])
+        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
+        ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
+        ap.add_argument("--world-size", type=int, required=True)
+        ap.add_argument("--dtype", choices=list(DTYPE_NAMES), default="bf16")
+        ap.add_argument("--memory", help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
+                                         "also print the largest model per stage")
+        ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
+                                                                   "(stages 1-3): print what stays resident")
+        a = ap.parse_args(argv)
+        memory = parse_bytes(a.memory) if a.memory is not None else None
+        print("\n".join(plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload)))
+    except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
+        print(f"minizero.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# -----------------------------------------------------------------------------
+# the planner: minizero.py's formulas as a table
+
+
+def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
+    """Lines of the planner's table, from the same formulas the tests hold the engine to."""
+    if not (math.isfinite(params) and params >= 1):
+        raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
+    if world_size < 1:
+        raise ValueError(f"the world size must be at least 1 rank; got {world_size}")
+    if memory is not None and not (math.isfinite(memory) and memory > 0):
+        raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
+    numel = -(-int(params) // world_size) * world_size
+    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
+    for stage in range(4):
+        off = offload if stage else None  # stage 0 keeps the whole state on the device
+        b = model_state_bytes(numel, world_size, stage, dtype, off)
+        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype).values())
+        gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
+        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off).values())] if offload else []
+        rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
+        if memory:
+            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype, off).values()) / world_size
+            rows[-1].append(f"{memory / per_param:.3g} parameters")
+    if memory:
+        rows[0].append("largest model that fits")
+    cols = 7 if offload else 6
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]  # so that numbers never run together
+    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
+             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
+             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master, m, v in {offload} "
+                f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
+                      + "".join("  " + c for c in r[cols:]) for r in rows]
+
+
+BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text):
+    """'80GB', '80GiB', '1TB', '512MB', '1.5TiB', or a bare number of GB -> bytes."""
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number):].lower() or "gb"
+    if unit not in BYTES:
+        raise ValueError(f"--memory {text!r}: the unit must be one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+    try:
+        return float(number) * BYTES[unit]
+    except ValueError:
+        raise ValueError(f"--memory {text!r} is not a size; give memory per rank like 80GB, 80GiB or 80 (GB)")
+
+
+# -----------------------------------------------------------------------------
+# consolidate: a sharded checkpoint (checkpoint.py) as one plain state_dict
+
+
+def consolidate_main(args):
+    """python minizero.py consolidate CHECKPOINT_DIR OUT.pt: a plain state_dict, no process group."""
+    if len(args) != 2:
+        raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
+    path, out = args
+    folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
+    if os.path.isdir(out):
+        raise ValueError(f"OUT {out} is a directory; give a file name, like {os.path.join(out, 'model.pt')}")
+    if not os.path.isdir(folder):
+        raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
+    state = checkpoint.consolidate(path)
+    torch.save(state, out)
+    print(f"wrote {len(state)} tensors to {out}; model.load_state_dict(torch.load(...)) takes them")
+
+
+# -----------------------------------------------------------------------------
+# check: the equivalence proof on the user's model (check.py)
+
+
+def check_main(argv):
+    """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
+    import check  # (only this command needs the engine)
+    ap = argparse.ArgumentParser(prog="python minizero.py check", description=check.__doc__.split("\n\n")[0])
+    ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
+                                 "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    ap.add_argument("--world-sizes", type=ints, default=(1, 2, 3, 4))
+    ap.add_argument("--stages", type=ints, default=(0, 1, 2, 3))
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--dtype", choices=list(DTYPE_NAMES))
+    ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
+    ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
+    a = ap.parse_args(argv)
+    try:
+        user = _load(a.file)
+        kw = dict(getattr(user, "ENGINE", {}))
+        if a.dtype:
+            kw["dtype"] = DTYPE_NAMES[a.dtype]
+        if a.grad_accum:
+            kw["grad_accum"] = a.grad_accum
+        if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
+            raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
+        t0 = time.perf_counter()
+        report = check.check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
+                             world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
+                             jitter=a.jitter, device=a.device, **kw)
+    except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
+        print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    print(report)
+    print(f"{time.perf_counter() - t0:.1f} s")
+    errors = [r.first for r in report.rows if r.first is not None and r.first.what == "error"]
+    if errors:
+        print(f"check: {a.file}: the model failed to run: {errors[0].name}", file=sys.stderr)
+        return 2
+    return 0 if report.ok else 1
+
+
+def _load(path):
+    """Import FILE.py as a module by its name (so that processes can import it too)."""
+    if not os.path.isfile(path):
+        raise OSError(f"no such file {path}")
+    folder, name = os.path.split(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    sys.modules.pop(os.path.splitext(name)[0], None)  # another file of that name may be loaded
+    module = importlib.import_module(os.path.splitext(name)[0])
+    for fn in ("make_model", "make_batch"):
+        if not callable(getattr(module, fn, None)):
+            raise AttributeError(f"it defines no function {fn}(); see example_check.py")
+    return module
