@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import ds_config
 import ops
 import train_gpt as tg
 
@@ -18,12 +19,12 @@ def test_ds_config_maps_to_overrides():
           "gradient_accumulation_steps": 4, "train_micro_batch_size_per_gpu": 8, "gradient_clipping": 0.5,
           "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                     "weight_decay": 0.1}}}
-    assert tg.parse_ds_config(ds) == dict(stage=2, dtype="bfloat16", grad_accum=4, batch_size=8, clip=0.5,
+    assert ds_config.parse_ds_config(ds) == dict(stage=2, dtype="bfloat16", grad_accum=4, batch_size=8, clip=0.5,
                                           lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    assert tg.parse_ds_config({}) == {}
-    assert tg.parse_ds_config({"fp16": {"enabled": True}}) == {"dtype": "float16"}
-    assert tg.parse_ds_config({"bf16": {"enabled": False}}) == {"dtype": "float32"}
-    assert tg.parse_ds_config({"gradient_clipping": 0}) == {"clip": None}  # DeepSpeed: 0 = off
+    assert ds_config.parse_ds_config({}) == {}
+    assert ds_config.parse_ds_config({"fp16": {"enabled": True}}) == {"dtype": "float16"}
+    assert ds_config.parse_ds_config({"bf16": {"enabled": False}}) == {"dtype": "float32"}
+    assert ds_config.parse_ds_config({"gradient_clipping": 0}) == {"clip": None}  # DeepSpeed: 0 = off
 
 
 @pytest.mark.parametrize("ds, key", [
@@ -34,7 +35,7 @@ def test_ds_config_maps_to_overrides():
 ])
 def test_ds_config_unknown_key_is_named(ds, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
-        tg.parse_ds_config(ds)
+        ds_config.parse_ds_config(ds)
 
 
 @pytest.mark.parametrize("ds, key", [
@@ -48,7 +49,7 @@ def test_ds_config_unknown_key_is_named(ds, key):
 ])
 def test_ds_config_impossible_values_raise(ds, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
-        tg.parse_ds_config(ds)
+        ds_config.parse_ds_config(ds)
 
 
 def test_parse_args_precedence(tmp_path):
@@ -207,10 +208,10 @@ def test_save_at_two_ranks_stage3_resume_at_three_ranks_stage1(tmp_path):
 def test_ds_offload_keys():
     ds = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/scratch",
                                                                    "pin_memory": False}}}
-    assert tg.parse_ds_config(ds) == dict(stage=3, offload="disk", offload_dir="/scratch", pin_memory=False)
-    assert tg.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "none"}}}) == {"offload": None}
+    assert ds_config.parse_ds_config(ds) == dict(stage=3, offload="disk", offload_dir="/scratch", pin_memory=False)
+    assert ds_config.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "none"}}}) == {"offload": None}
     with pytest.raises(ValueError, match="'zero_optimization.offload_optimizer.device' must be"):
-        tg.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
+        ds_config.parse_ds_config({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})
     for argv, says in [(["--offload", "disk", "--stage", "0"], "stage 0"), (["--offload", "disk"], "--offload-dir")]:
         with pytest.raises(ValueError, match=says):
             tg.check_config(tg.parse_args(argv))
@@ -228,9 +229,9 @@ def test_train_with_disk_offload_is_the_same_run(tmp_path):
 
 def test_train_batch_size_must_divide_by_world_size():
     from types import SimpleNamespace as C
-    assert tg.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=1), 3) == 4
+    assert ds_config.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=1), 3) == 4
     with pytest.raises(ValueError, match="train_batch_size 50 is not divisible by the micro batch 4 x world size 3"):
-        tg.grad_accum_for(C(global_batch=50, batch_size=4, grad_accum=1), 3)
+        ds_config.grad_accum_for(C(global_batch=50, batch_size=4, grad_accum=1), 3)
     with pytest.raises(ValueError, match="needs grad_accum 4, but gradient_accumulation_steps is 2"):
-        tg.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=2), 3)
-    assert tg.parse_ds_config({"train_batch_size": 48}) == {"global_batch": 48}
+        ds_config.grad_accum_for(C(global_batch=48, batch_size=4, grad_accum=2), 3)
+    assert ds_config.parse_ds_config({"train_batch_size": 48}) == {"global_batch": 48}

@@ -1,0 +1,86 @@
+"""
+DeepSpeed's JSON config (`train_gpt.py --config ds_config.json`), read as the demo's
+options: the keys minizero has, each checked, and DeepSpeed's batch rule. Any other key
+is an error that names it, never silently ignored.
+"""
+import json
+
+OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "disk"}  # offload_optimizer.device -> Engine(offload=...)
+_num = lambda v: type(v) in (int, float) and v >= 0  # noqa: E731 (bool is no number here)
+_int = lambda v: type(v) is int and v >= 1  # noqa: E731
+DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, check, what it must be)
+    "zero_optimization.stage": ("stage", lambda v: type(v) is int and 0 <= v <= 3, "0, 1, 2 or 3"),
+    "bf16.enabled": ("bf16", lambda v: type(v) is bool, "true or false"),
+    "fp16.enabled": ("fp16", lambda v: type(v) is bool, "true or false"),
+    "gradient_accumulation_steps": ("grad_accum", _int, "an integer >= 1"),
+    "train_batch_size": ("global_batch", _int, "an integer >= 1"),
+    "train_micro_batch_size_per_gpu": ("batch_size", _int, "an integer >= 1"),
+    "gradient_clipping": ("clip", _num, "a number >= 0 (0: no clipping)"),
+    "optimizer.type": ("optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW (minizero's only optimizer)"),
+    "optimizer.params.lr": ("lr", _num, "a number >= 0"),
+    "optimizer.params.betas": ("betas", lambda v: type(v) in (list, tuple) and len(v) == 2 and all(map(_num, v)),
+                               "a pair of numbers"),
+    "optimizer.params.eps": ("eps", _num, "a number >= 0"),
+    "optimizer.params.weight_decay": ("weight_decay", _num, "a number >= 0"),
+    "zero_optimization.offload_optimizer.device": ("offload", lambda v: isinstance(v, str) and v in OFFLOAD,
+                                                   "'none', 'cpu' or 'nvme'"),
+    "zero_optimization.offload_optimizer.nvme_path": ("offload_dir", lambda v: isinstance(v, str) and v,
+                                                      "a directory"),
+    "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool, "true or false"),
+}
+
+
+def parse_ds_config(ds):
+    """A DeepSpeed config (a dict) -> the options it sets. Any key minizero does not have,
+    or an impossible value, is a ValueError naming the key's dotted path."""
+    flat = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            walk(v, f"{prefix}{k}.") if isinstance(v, dict) else flat.__setitem__(prefix + k, v)
+    walk(ds, "")
+    out = {}
+    for path, v in flat.items():
+        if path not in DS_KEYS:
+            raise ValueError(f"ds config: unknown key {path!r}; minizero reads only {sorted(DS_KEYS)}")
+        name, ok, want = DS_KEYS[path]
+        if not ok(v):
+            raise ValueError(f"ds config: {path!r} must be {want}, got {v!r}")
+        out[name] = tuple(v) if name == "betas" else v
+    if out.get("bf16") and out.get("fp16"):
+        raise ValueError("ds config: 'bf16.enabled' and 'fp16.enabled' are both true; pick one")
+    if "bf16" in out or "fp16" in out:  # both present and false: DeepSpeed trains in fp32
+        out["dtype"] = "bfloat16" if out.get("bf16") else "float16" if out.get("fp16") else "float32"
+    if "clip" in out:
+        out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
+    if "offload" in out:  # DeepSpeed's NVMe offload is minizero's disk offload
+        out["offload"] = OFFLOAD[out["offload"]]
+    return {k: v for k, v in out.items() if k not in ("bf16", "fp16", "optimizer")}
+
+
+def read_json(path):
+    """--config's file as a dict; a missing file or bad JSON is a ValueError naming the file and line."""
+    try:
+        with open(path) as f:
+            ds = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror}; give the path of a DeepSpeed JSON config")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}")
+    if not isinstance(ds, dict):
+        raise ValueError(f"--config {path} holds a JSON {type(ds).__name__}; a DeepSpeed config is an object {{...}}")
+    return ds
+
+
+def grad_accum_for(c, world_size):
+    """DeepSpeed's rule: train_batch_size = micro batch x grad_accum x world size."""
+    if c.global_batch is None:
+        return c.grad_accum
+    if c.global_batch % (c.batch_size * world_size):
+        raise ValueError(f"train_batch_size {c.global_batch} is not divisible by the micro batch "
+                         f"{c.batch_size} x world size {world_size}; change the batch or the number of ranks")
+    ga = c.global_batch // (c.batch_size * world_size)
+    if c.grad_accum not in (1, ga):
+        raise ValueError(f"train_batch_size {c.global_batch} = {c.batch_size} x grad_accum x {world_size} "
+                         f"needs grad_accum {ga}, but gradient_accumulation_steps is {c.grad_accum}")
+    return ga
