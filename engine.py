@@ -20,9 +20,9 @@ import torch
 import checkpoint
 from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
-                      model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
+                      meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
                       zero_update)
-from offload import DiskState, disk_update
+from offload import DiskState, check_offload, disk_update
 from ops import Pending, all_gather, broadcast
 
 
@@ -44,29 +44,12 @@ class Engine:
             raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
-        meta = [n for n, p in model.named_parameters() if p.is_meta]  # built under torch.device("meta")
         devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
         if len(devices) > 1:
             raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                              f"move the model to one device (model.to(device)) first")
-        if meta and init is None:
-            raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
-                             f"once its unit exists (or build the model for real)")
-        frozen_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()]
-                       if t.is_meta and not t.requires_grad]
-        if frozen_meta:
-            raise ValueError(f"{frozen_meta[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
-                             f"trainable parameters real: make it real first (module.to_empty, then set it)")
-        if offload not in (None, "cpu", "disk"):
-            raise ValueError(f"offload must be None, 'cpu' or 'disk'; got {offload!r}")
-        if (offload or offload_params) and stage == 0:
-            raise ValueError("offload moves this rank's shard of the optimizer state off the device; stage 0 "
-                             "(DDP) keeps the whole state on every rank: use stage 1-3 with offload")
-        if offload_params and stage != 3:
-            raise ValueError("offload_params moves stage 3's parameter shard to the host; use stage 3")
-        if offload == "disk" and not offload_dir:
-            raise ValueError("offload='disk' needs offload_dir=, a directory on the disk the optimizer "
-                             "state should live on (it needs 24 bytes per parameter / world size)")
+        owners = meta_owners(model, init)  # None unless built (in part) on the meta device
+        check_offload(stage, offload, offload_dir, offload_params)
         if native is not None:
             comm.native = native  # torch's own collectives instead of the ring (ops.py)
         check_same_model(model, comm)  # first: every later collective's size depends on it
@@ -107,7 +90,7 @@ class Engine:
                              f"gathers one unit at a time, so put both modules in one unit "
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
-        device = comm.device if meta else next(model.parameters()).device
+        device = comm.device if owners else next(model.parameters()).device
         if device.type == "cpu" and (offload == "cpu" or offload_params):  # say so once, change nothing
             warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
                           "so nothing moves; offload='disk' is the one that frees RAM here")
@@ -115,15 +98,11 @@ class Engine:
         self.offload, self.offload_params = offload, offload_params  # where the shards live, if not here
         self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
             if offload == "disk" else None      # the files of disk offload (offload.py)
-        owners = {}  # id(param) -> [(module, key)]: where a meta parameter's real one must go
-        for module in model.modules() if meta else []:
-            for key, p in module._parameters.items():
-                owners.setdefault(id(p), []).append((module, key))
         place = Place(offload or "device", "cpu" if offload_params else "device",
                       pin_memory and device.type == "cuda", self.disk)
         self.units = []
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
-            g = materialize(g, owners, device, init) if meta else g  # one unit at a time
+            g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
                                    place._replace(index=i)))
         self.device = device                    # where the model lives
@@ -531,20 +510,16 @@ class Engine:
         {key: tensor} (from disk if they live there: a copy)."""
         if self.disk is None:
             return {k: getattr(u, k) for k in keys}
-        return dict(zip(keys, self.disk.read(u.index, len(keys)).view(len(keys), -1)))
+        return self.disk.state(u.index, keys)
 
     def set_optimizer_state(self, states):
         """(unit, {"master", "m", "v"}) pairs as this rank's optimizer state. On disk they go
         to the other slots and count once all are written: a failed write changes nothing."""
-        for u, state in states:
-            if self.disk is not None:
-                self.disk.write(u.index, torch.cat([state[k].reshape(-1) for k in checkpoint.STATE]))
-            else:
-                for k in checkpoint.STATE:
-                    getattr(u, k).copy_(state[k])
         if self.disk is not None:
-            self.disk.finish()
-            self.disk.commit()
+            return self.disk.put((u.index, state) for u, state in states)
+        for u, state in states:
+            for k in checkpoint.STATE:
+                getattr(u, k).copy_(state[k])
 
     def save_checkpoint(self, path, meta=None):
         """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""

@@ -97,6 +97,27 @@ def group_params(model, units):
     return groups, cross
 
 
+def meta_owners(model, init):
+    """For a model built on the meta device: where each trainable parameter's real one must
+    go, id(param) -> [(module, key)] (a tie has two), or None if none is on meta. Only
+    trainable parameters are made real (by init); anything else on meta is an error."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta]  # built under torch.device("meta")
+    if meta and init is None:
+        raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
+                         f"once its unit exists (or build the model for real)")
+    frozen = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta and not t.requires_grad]
+    if frozen:
+        raise ValueError(f"{frozen[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
+                         f"trainable parameters real: make it real first (module.to_empty, then set it)")
+    if not meta:
+        return None
+    owners = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            owners.setdefault(id(p), []).append((module, key))
+    return owners
+
+
 def materialize(named, owners, device, init):
     """For a model built on the meta device (DeepSpeed's zero.Init, FSDP2's to_empty): one
     unit's [(name, param)] made real on device, set in every module that holds them

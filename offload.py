@@ -20,10 +20,25 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from checkpoint import STATE
 from minizero import runs, share_params, update
 from ops import all_gather
 
 F32 = 4  # bytes per element of master, m and v
+
+
+def check_offload(stage, offload, offload_dir, offload_params):
+    """Engine(offload=..., offload_dir=..., offload_params=...) that cannot work: a ValueError naming the fix."""
+    if offload not in (None, "cpu", "disk"):
+        raise ValueError(f"offload must be None, 'cpu' or 'disk'; got {offload!r}")
+    if (offload or offload_params) and stage == 0:
+        raise ValueError("offload moves this rank's shard of the optimizer state off the device; stage 0 "
+                         "(DDP) keeps the whole state on every rank: use stage 1-3 with offload")
+    if offload_params and stage != 3:
+        raise ValueError("offload_params moves stage 3's parameter shard to the host; use stage 3")
+    if offload == "disk" and not offload_dir:
+        raise ValueError("offload='disk' needs offload_dir=, a directory on the disk the optimizer "
+                         "state should live on (it needs 24 bytes per parameter / world size)")
 
 
 class DiskState:
@@ -72,6 +87,17 @@ class DiskState:
                 raise OSError(f"{path} ends early: the offload file was truncated")
             view, offset = view[got:], offset + got
         return buf
+
+    def state(self, i, keys=STATE):
+        """Unit i's {key: tensor} for the first len(keys) of master, m, v (a copy)."""
+        return dict(zip(keys, self.read(i, len(keys)).view(len(keys), -1)))
+
+    def put(self, pairs):
+        """(unit index, {"master", "m", "v"}) pairs as the new state, all or nothing."""
+        for i, state in pairs:
+            self.write(i, torch.cat([state[k].reshape(-1) for k in STATE]))
+        self.finish()
+        self.commit()
 
     def stream(self, indices, count=3):
         """Yield (i, state) for each unit i, read from the current slot; the next unit's
