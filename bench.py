@@ -69,6 +69,10 @@ class Variant:
     overlap: bool = True
     offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
 
+    @property
+    def zero_stage(self):  # what the formulas count it as: DDP keeps all (0), FSDP2 shards all (3)
+        return {"ddp": 0, "fsdp2": 3}.get(self.kind, self.stage)
+
 
 OFFLOAD_DIR = os.path.join(tempfile.gettempdir(), "minizero-bench-offload")  # (on a disk, not tmpfs, here)
 
@@ -123,10 +127,7 @@ def build(v, comm, gcfg, meta=False):
             model.to_empty(device=comm.device)
             for name, p in model.named_parameters():
                 model.init_weights(name, p.to_local())
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
-                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=LR, betas=BETAS, eps=EPS)
+    opt = torch.optim.AdamW(decay_groups(model), lr=LR, betas=BETAS, eps=EPS)
 
     def step(x, y):
         _, loss = model(x, y)
@@ -135,6 +136,26 @@ def build(v, comm, gcfg, meta=False):
         opt.zero_grad(set_to_none=True)
         return loss.item()
     return step, None
+
+
+def decay_groups(model):
+    """AdamW's groups as minizero's engines get them (decay=...): matrices decay, the rest not."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def medians(res, names, reps):
+    """ms per step of each variant: the median over reps of the slowest rank's time."""
+    return {name: 1000 * statistics.median(max(r[name]["times"][i] for r in res) for i in range(reps))
+            for name in names}
+
+
+def ratios(ms):
+    """The table's three comparisons with torch and with no overlap."""
+    return {"stage0-native/ddp": ms["stage0-native"] / ms["torch-ddp"],
+            "stage3-native/fsdp2": ms["stage3-native"] / ms["torch-fsdp2"],
+            "stage3 overlap on/off": ms["stage3-native"] / ms["stage3-native-noovl"]}
 
 
 def batches(cfg, rank, n, device="cpu"):
@@ -256,8 +277,7 @@ def memory_world(comm, cfg, v, n_layer=None):
 def comm_formula(v, numel, n_params, N):
     """Bytes one rank sends per step by DESIGN.md's table: 2Psi (DDP, stages 0-2) or 3Psi
     (FSDP2, stage 3); torch's rows count Psi unpadded."""
-    stage = {"ddp": 0, "fsdp2": 3}.get(v.kind, v.stage)
-    return sum(minizero.comm_bytes_per_step(numel or n_params, N, stage, torch.float32).values())
+    return sum(minizero.comm_bytes_per_step(numel or n_params, N, v.zero_stage, torch.float32).values())
 
 
 def bench(cfg):
@@ -269,8 +289,7 @@ def bench(cfg):
           f"a step's time is the slowest rank's" + ("\n--quick: proves it runs; its times are too short "
                                                     "to mean much" if cfg.reps == 1 else ""), flush=True)
     res = ops.run_processes(time_world, N, cfg, check=False, timeout=600)
-    ms = {v.name: 1000 * statistics.median(max(r[v.name]["times"][i] for r in res) for i in range(cfg.reps))
-          for v in cfg.variants}
+    ms = medians(res, [v.name for v in cfg.variants], cfg.reps)
     mem = {}
     for v in cfg.variants:  # one fresh world per row: peak RSS is a lifetime maximum
         per_rank = run_measured(memory_world, N, cfg, v)
@@ -294,8 +313,7 @@ def bench(cfg):
           f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
 
     disk = ms["stage3-ring-disk"] / ms["stage3-ring"]
-    s0, s3 = ms["stage0-native"] / ddp, ms["stage3-native"] / fsdp
-    ovl = ms["stage3-native"] / ms["stage3-native-noovl"]
+    s0, s3, ovl = ratios(ms).values()
     ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-native"] for s in range(4) if f"stage{s}-ring" in ms}
     worst = max(ring, key=ring.get)
     ok = lambda good: "met" if good else "MISSED"  # noqa: E731
@@ -349,13 +367,12 @@ def max_model(cfg):
             n = min(n, hi - 1) if hi else n
         a = min((k for k in seen if 1 < k < lo), default=None)  # the widest span past the first layer
         per_layer = (seen[lo][0] - seen[a][0]) / (lo - a) if a else float("nan")
-        stage = 3 if v.kind == "fsdp2" else v.stage
-        formula = sum(minizero.model_state_bytes(seen[lo][1] - seen[a][1], N, stage, torch.float32,
+        formula = sum(minizero.model_state_bytes(seen[lo][1] - seen[a][1], N, v.zero_stage, torch.float32,
                                                  v.offload).values()) / (lo - a) if a else float("nan")
         found[v.name] = (lo, seen[lo][1] if lo else 0)
         print(f"  {v.name}: largest {lo} layers; near it {per_layer / MiB:.1f} MiB per layer measured, "
               f"{formula / MiB:.1f} by the formula (fp32: {'4+4 of 16 bytes' if v.offload else '16 bytes'}"
-              f"{'/N' if stage == 3 else ''} per parameter resident)", flush=True)
+              f"{'/N' if v.zero_stage == 3 else ''} per parameter resident)", flush=True)
     print(f"largest fitting ({time.time() - t_start:.0f} s): " + ", ".join(
         f"{name} {lo} layers ({p / 1e6:.1f}M params)" for name, (lo, p) in found.items()))
     p = {name: params for name, (_, params) in found.items()}
@@ -377,9 +394,7 @@ def plain_vs_engine(comm, cfg):
     cuda = comm.device.type == "cuda"
     data = batches(cfg, 0, cfg.warmup + cfg.reps * cfg.steps, comm.device)
     plain = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
-    groups = [{"params": [p for p in plain.parameters() if p.dim() >= 2], "weight_decay": WD},
-              {"params": [p for p in plain.parameters() if p.dim() < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS, fused=False, foreach=cuda)
+    opt = torch.optim.AdamW(decay_groups(plain), lr=LR, betas=BETAS, eps=EPS, fused=False, foreach=cuda)
     ours = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
     engine = minizero.Engine(ours, comm, 0, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, native=True,
                              decay=lambda name, p: p.dim() >= 2, dtype=torch.bfloat16 if cuda else torch.float32)
@@ -403,10 +418,10 @@ def plain_vs_engine(comm, cfg):
     for step in steps.values():
         for x, y in data[:cfg.warmup]:
             step(x, y)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # time the GPU's work, not its queue
     for rep in range(cfg.reps):
         batch = data[cfg.warmup + rep * cfg.steps:][:cfg.steps]
         for name in list(steps)[::1 if rep % 2 == 0 else -1]:  # alternate who goes first
-            sync = torch.cuda.synchronize if cuda else (lambda: None)  # time the GPU's work, not its queue
             sync()
             t0 = time.perf_counter()
             for x, y in batch:
@@ -440,16 +455,12 @@ def gpu_bench(quick):
     cfg = replace(cfg, world_size=n, variants=tuple(rows), reps=min(cfg.reps, 3), steps=min(cfg.steps, 2),
                   warmup=min(cfg.warmup, 2))
     res = ops.run_processes(time_world, n, cfg, backend="nccl" if cuda else "gloo", check=False, timeout=600)
-    row = {v.name: 1000 * statistics.median(max(r[v.name]["times"][i] for r in res) for i in range(cfg.reps))
-           for v in rows}
+    row = medians(res, [v.name for v in rows], cfg.reps)
     print(f"  native rows, fp32, world size {n} ({'nccl' if cuda else 'gloo'}): "
           + ", ".join(f"{name} {t:.1f} ms" for name, t in row.items()), flush=True)
-    ratios = {"stage0-native/ddp": row["stage0-native"] / row["torch-ddp"],
-              "stage3-native/fsdp2": row["stage3-native"] / row["torch-fsdp2"],
-              "stage3 overlap on/off": row["stage3-native"] / row["stage3-native-noovl"]}
     skipped = "world sizes above 1 (one GPU; NCCL takes one GPU per rank)" if cuda and n == 1 else "none"
     print(f"summary: overhead vs plain torch loop {overhead:.2f}x; world {n}: "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()) + f"; skipped: {skipped}")
+          + ", ".join(f"{k} {v:.2f}x" for k, v in ratios(row).items()) + f"; skipped: {skipped}")
 
 
 if __name__ == "__main__":
