@@ -22,8 +22,8 @@ and micro-batch by micro-batch:
   referee  stage 0 against torch itself: torch's gradient at the engine's parameters
            (every rank's micro-batches, loss averaged over ranks), within a tolerance of
            the step's largest sum of |contributions| to one gradient element (rounding
-           in backward scales with what flows through it); and torch.optim.AdamW driven
-           by the engine's own gradient. Split this way neither half amplifies rounding
+           in backward scales with what flows through it); and torch's optimizer
+           (AdamW, SGD, Adafactor, or Muon + AdamW) driven by the engine's own gradient. Split this way neither half amplifies rounding
            (Adam turns noise in a near-zero gradient into a whole step), so a float
            tolerance means something; it is reported and can be set.
 
@@ -44,8 +44,9 @@ import torch
 import ops
 from engine import Engine
 from minizero import cast_floats, map_tensors
+from optimizers import OPTIMIZERS, optimizer_options
 
-KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
+KEPT = ("reduce_scatter", "all_gather", "optimizer")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
 UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engine's own gradient
 
@@ -226,7 +227,8 @@ def _rank(comm, stage, spec):
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
     layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size) for u in engine.units]
-    out = dict(layout=layout, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
+    kinds = {n: k for u in engine.units for n, k in zip(u.names, u.kinds)}  # the update each param gets
+    out = dict(layout=layout, kinds=kinds, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
                bytes=engine.formula(sent=True), grad_accum=engine.grad_accum,
                initial=engine.full_state_dict() if stage == 0 else None, hist=[])  # (the referee's start)
     for step in range(spec["steps"]):
@@ -328,6 +330,8 @@ def _bytes(run, stage, stepped):
     expect = dict(run["bytes"])
     if not stepped and stage in (1, 2):  # a skipped step gathers no params (stage 0 gathered its grads)
         expect["all_gather"] = 0
+    if not stepped:  # ...and nothing for the optimizer
+        expect.pop("optimizer", None)
     return {k: expect.get(k, 0) for k in KEPT}
 
 
@@ -367,7 +371,7 @@ def _ulps(a, b):
 def _referee(row, model, ranks, spec, n, tol, device):
     """Stage 0 against torch, step by step, on the ranks' device. Gradient: torch's at the
     engine's parameters before the step, over every rank's micro-batches with the loss
-    averaged as the engine averages it. Update: torch.optim.AdamW given the engine's own
+    averaged as the engine averages it. Update: the torch optimizer(s) given the engine's own
     mean gradient."""
     kw, run = spec["engine_kw"], ranks[0]
     dtype = kw.get("dtype", torch.float32)  # torch's gradient in the engine's compute dtype
@@ -375,14 +379,8 @@ def _referee(row, model, ranks, spec, n, tol, device):
     grad_model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     upd_model.load_state_dict(run["initial"])
     names = [nm for names, *_ in run["layout"] for nm in names]
-    decay = kw.get("decay")
     params = [upd_model.get_parameter(nm) for nm in names]
-    groups = [{"params": [p for nm, p in zip(names, params) if decay is None or decay(nm, p)]},
-              {"params": [p for nm, p in zip(names, params) if not (decay is None or decay(nm, p))],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=kw.get("lr", 1e-3),
-                            betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
-                            weight_decay=kw.get("weight_decay", 0.0))
+    opts = torch_optimizers(list(zip(names, params)), run["kinds"], kw)
     worst = [0.0, 0.0]
     state = run["initial"]
     for step, h in enumerate(run["hist"]):
@@ -399,16 +397,39 @@ def _referee(row, model, ranks, spec, n, tol, device):
                 upd_model.get_parameter(nm).grad = mean[nm].clone() if used else None
             if kw.get("clip") is not None:
                 torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], kw["clip"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            for opt in opts:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             for nm, p in zip(names, params):
                 ours = h["state"][nm]
-                err = float(((ours - p.detach()).abs() / (p.detach().abs() + kw.get("lr", 1e-3))).max())
+                lr = kw.get("muon_lr", 1e-3) if run["kinds"][nm] == "muon" else kw.get("lr", 1e-3)
+                err = float(((ours - p.detach()).abs() / (p.detach().abs() + lr)).max())
                 worst[1] = max(worst[1], err)
                 if err > tol[1] and row.first is None:
                     row.first = _referee_divergence("referee-update", ours, p.detach(), nm, step, n)
         state = h["state"]
     row.referee = tuple(worst)
+
+
+def torch_optimizers(named, kinds, kw):
+    """The torch optimizers the engine's options name (Muon + AdamW: torch's two), with
+    weight decay on the params decay(name, p) selects."""
+    decay, optimizer = kw.get("decay"), kw.get("optimizer", "adamw")
+    o = optimizer_options(optimizer, {k: v for k, v in kw.items() if k in OPTIMIZERS[optimizer]})
+    lr, wd = kw.get("lr", 1e-3), kw.get("weight_decay", 0.0)
+    make = {"adamw": lambda g: torch.optim.AdamW(g, lr=lr, betas=o["betas"], eps=o["eps"]),
+            "sgd": lambda g: torch.optim.SGD(g, lr=lr, momentum=o["momentum"], nesterov=o["nesterov"]),
+            "adafactor": lambda g: torch.optim.Adafactor(g, lr=lr, beta2_decay=o["beta2_decay"], eps=o["eps"], d=o["d"]),
+            "muon": lambda g: torch.optim.Muon(g, lr=o["muon_lr"], momentum=o["momentum"], nesterov=o["nesterov"],
+                                               ns_coefficients=o["ns_coefficients"], ns_steps=o["ns_steps"],
+                                               adjust_lr_fn=o["adjust_lr_fn"])}
+    opts = []
+    for kind in sorted(set(kinds.values())):
+        mine = [(nm, p) for nm, p in named if kinds[nm] == kind]
+        groups = [{"params": [p for nm, p in mine if decay is None or decay(nm, p)], "weight_decay": wd},
+                  {"params": [p for nm, p in mine if not (decay is None or decay(nm, p))], "weight_decay": 0.0}]
+        opts.append(make[kind]([g for g in groups if g["params"]]))
+    return opts
 
 
 def _torch_grad(model, names, spec, step, n, accum, scale, device):

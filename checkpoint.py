@@ -11,11 +11,12 @@ A checkpoint is complete only when its manifest says so. Each save writes new sh
 manifest and the shards it names untouched.
 
 The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scale, the world
-size, stage and dtype it was saved at, the model's state_dict names, the hyperparameters,
-and per unit its parameters (name, tied aliases, shape, offset in the unit's flat layout,
-and AdamW's step count for it: a parameter with no gradient in a step is not stepped).
-Shard k holds rank k's chunk of every unit's fp32 master, m and v; shard 0 also holds the
-frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
+size, stage and dtype it was saved at, the model's state_dict names, the optimizer and its
+hyperparameters, and per unit its parameters (name, tied aliases, shape, offset in the unit's
+flat layout, the update it gets and its state's keys, and its step count: a parameter with
+no gradient in a step is not stepped). Shard k holds rank k's chunk of every unit's fp32
+master and the optimizer state of that range (optimizers.state_layout); shard 0 also holds
+the frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
 """
 import contextlib
 import hashlib
@@ -27,9 +28,10 @@ import os
 import torch
 
 from ops import PeerFailed, all_gather, broadcast
+from optimizers import state_layout
 
-FORMAT = "minizero-2"  # 2: AdamW step counts per parameter; 1 had one for all, read as such
-STATE = ("master", "m", "v")  # what a shard holds per unit: the optimizer's fp32 state
+FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
+ADAMW = {"kind": "adamw", "state": {"m": None, "v": None}}  # a parameter of a checkpoint that names no optimizer
 FIELDS = {  # what load() and read_checkpoint() rely on, per part of the manifest: name -> JSON type
     "manifest": {"format": str, "tag": str, "step": int, "scale": (int, float), "clean_steps": int,
                  "world_size": int, "state_dict": list, "units": list, "shards": list},
@@ -49,10 +51,7 @@ def save(engine, path, meta=None):
     os.makedirs(path, exist_ok=True)
     nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
     tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
-    whole = not engine.sharded["optimizer"]  # DDP keeps the whole state: save only my chunk of it
-    states = (engine.optimizer_state(u) for u in engine.units)  # (from disk if offloaded there)
-    shard = {"units": [{k: (u.chunk(st[k], r) if whole else st[k]).cpu() for k in STATE}
-                       for u, st in zip(engine.units, states)]}
+    shard = {"units": [{k: t.cpu() for k, t in my_state(engine, u).items()} for u in engine.units]}
     if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                           for n, t in engine.frozen().items()}
@@ -88,6 +87,42 @@ def save(engine, path, meta=None):
                            f"({error or 'see rank 0'}); the previous checkpoint in {path} is untouched")
 
 
+def my_state(engine, u):
+    """Rank r's master and optimizer state of unit u, as a world of this size and a sharded
+    stage keeps them (from disk if offloaded there; DDP holds the whole: cut out my range)."""
+    st = engine.optimizer_state(u)
+    if engine.sharded["optimizer"]:
+        return st
+    r, s = engine.comm.rank, u.shard_size
+    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.kinds, u.keys, r * s, r * s + s)
+    state = from_params(pieces, u.keys, sizes, to_params(u.pieces, u.keys, st, [p.numel() for p in u.params]))
+    return {"master": u.chunk(st["master"], r), **state}
+
+
+def to_params(pieces, keys, state, numels, into=None):
+    """A range's optimizer state (state_layout's pieces) as per-parameter values, added to
+    `into`: {param index: {key: elementwise, the parameter's numel values; whole, its state}}."""
+    into = {} if into is None else into
+    for p in pieces:
+        for k, (c, d) in p.at.items():
+            if keys[p.i][k] is None:
+                x = into.setdefault(p.i, {}).setdefault(k, torch.zeros(numels[p.i]))
+                x[p.lo + p.a - p.o:p.lo + p.b - p.o] = state[k][c:d]
+            else:
+                into.setdefault(p.i, {})[k] = state[k][c:d].clone()
+    return into
+
+
+def from_params(pieces, keys, sizes, values):
+    """A range's optimizer state {key: fp32} from per-parameter values (to_params)."""
+    state = {k: torch.zeros(n) for k, n in sizes.items()}
+    for p in pieces:
+        for k, (c, d) in p.at.items():
+            x = values[p.i][k].reshape(-1)
+            state[k][c:d] = x[p.lo + p.a - p.o:p.lo + p.b - p.o] if keys[p.i][k] is None else x
+    return state
+
+
 def manifest(engine, tag, digests):
     aliases, state = {}, engine.model.state_dict(keep_vars=True)
     for name, t in state.items():
@@ -95,11 +130,14 @@ def manifest(engine, tag, digests):
     return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scale,
             "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
-            "hparams": {"lr": engine.lr, "betas": list(engine.betas), "eps": engine.eps,
-                        "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum, "clip": engine.clip},
+            "optimizer": engine.optimizer,
+            "hparams": {"lr": engine.lr, "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum,
+                        "clip": engine.clip, **{k: v for k, v in engine.options.items() if not callable(v)}},
             "units": [{"numel": u.numel, "padded": u.padded,
                        "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o,
-                                   "steps": t} for n, p, o, t in zip(u.names, u.params, u.offsets, u.steps)]}
+                                   "steps": t, "kind": kind, "state": keys}
+                                  for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets, u.steps, u.kinds,
+                                                                    u.keys)]}
                       for u in engine.units],
             "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
 
@@ -109,6 +147,16 @@ def load(engine, path):
     vectors are re-cut for this engine's layout. Everything is read and checked before
     anything is changed, so a bad checkpoint leaves the engine as it was. Returns `meta`."""
     m, params, extra = read_checkpoint(path)
+    if m.get("optimizer", "adamw") != engine.optimizer:
+        raise ValueError(f"checkpoint {path} was saved with optimizer {m.get('optimizer', 'adamw')!r}, and this "
+                         f"engine trains with {engine.optimizer!r}: its state does not carry over; build the "
+                         f"engine with optimizer={m.get('optimizer', 'adamw')!r}, or start without the checkpoint")
+    for u in engine.units:
+        for n, kind, keys in zip(u.names, u.kinds, u.keys):
+            if (params[n]["kind"], params[n]["state"]) != (kind, keys):
+                raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
+                                 f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
+                                 f"build the engine with the options it was saved with")
     mine = {n: p for u in engine.units for n, p in zip(u.names, u.params)}
     _check_same(path, {n: list(p.shape) for n, p in mine.items()},
                 {n: v["shape"] for n, v in params.items()}, "trainable parameter")
@@ -117,9 +165,11 @@ def load(engine, path):
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
     r = engine.comm.rank
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
-    engine.set_optimizer_state((u, {k: mine(u, _assemble(u, params, k)) for k in STATE}) for u in engine.units)
+    engine.set_optimizer_state((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
+        u.pieces, u.keys, u.sizes, [{k: params[n][k] for k in keys} for n, keys in zip(u.names, u.keys)])})
+        for u in engine.units)
     for u in engine.units:  # then what the model reads
-        u.steps = [params[n]["steps"] for n in u.names]  # AdamW's per-parameter step counts
+        u.steps = [params[n]["steps"] for n in u.names]  # the optimizer's per-parameter step counts
         master = _assemble(u, params, "master")
         if engine.sharded["params"]:
             u.shard.copy_(u.chunk(master, r))
@@ -221,8 +271,9 @@ def _names(t):
 
 
 def read_checkpoint(path):
-    """-> (manifest, {name: {"master", "m", "v": fp32 tensor, "shape"}}, {name: tensor} of
-    frozen parameters and buffers). Every shard is checked against the manifest's sha256."""
+    """-> (manifest, {name: {"master", and each state key: fp32 tensor (an elementwise one
+    shaped as the parameter); "shape", "steps", "kind", "state"}}, {name: tensor} of frozen
+    parameters and buffers). Every shard is checked against the manifest's sha256."""
     m = read_manifest(path)
     shards = []
     for s in m["shards"]:
@@ -235,16 +286,24 @@ def read_checkpoint(path):
             raise ValueError(f"checkpoint shard {fpath} is truncated or corrupted "
                              f"({len(data)} bytes, sha256 differs from the manifest's)")
         shards.append(torch.load(io.BytesIO(data), weights_only=True))
-    params = {}
+    params, n = {}, m["world_size"]
     for i, unit in enumerate(m["units"]):
-        full = {k: torch.cat([s["units"][i][k] for s in shards]) for k in STATE}
-        if len(full["master"]) != unit["padded"]:
-            raise ValueError(f"checkpoint {path}: its shards hold {len(full['master'])} values of units[{i}], "
+        master = torch.cat([s["units"][i]["master"] for s in shards])
+        if len(master) != unit["padded"]:
+            raise ValueError(f"checkpoint {path}: its shards hold {len(master)} values of units[{i}], "
                              f"its manifest says {unit['padded']}; the manifest and shards are of different saves")
-        for p in unit["params"]:
-            n = math.prod(p["shape"])
-            params[p["name"]] = {k: full[k][p["offset"]:p["offset"] + n].view(p["shape"]) for k in full}
-            params[p["name"]]["shape"], params[p["name"]]["steps"] = p["shape"], p["steps"]
+        ps = [dict(ADAMW, **p) for p in unit["params"]]
+        layout = [p["offset"] for p in ps], [p["shape"] for p in ps], [p["kind"] for p in ps], [p["state"] for p in ps]
+        values, s = {}, unit["padded"] // n
+        for k, shard in enumerate(shards):  # each shard's range, laid out as it was saved
+            to_params(state_layout(*layout, k * s, k * s + s)[0], layout[3], shard["units"][i],
+                      [math.prod(p["shape"]) for p in ps], values)
+        for j, p in enumerate(ps):
+            size = math.prod(p["shape"])
+            params[p["name"]] = {"master": master[p["offset"]:p["offset"] + size].view(p["shape"]),
+                                 **{k: v.view(p["shape"]) if p["state"][k] is None else v
+                                    for k, v in values.get(j, {}).items()},
+                                 **{k: p[k] for k in ("shape", "steps", "kind", "state")}}
     return m, params, shards[0]["extra"]
 
 

@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
-from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
-                      ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
-                      meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
-                      zero_update)
+from minizero import (DTYPES, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step, ddp_reduce,
+                      ddp_update, default_units, gather_params, group_params, materialize, meta_owners,
+                      model_state_bytes, offloaded_bytes, reduce_grads, release_params, sharded, tensors, zero_update)
 from offload import DiskState, check_offload, disk_update
+from optimizers import Hyper, choose_updates, optimizer_options, runs
 from ops import Pending, all_gather, broadcast
 
 
@@ -31,11 +31,10 @@ class Engine:
     then engine.backward(loss) per micro-batch and engine.step() every grad_accum of them.
     Keep a reference to the engine while you use the model: its hooks point back to it."""
 
-    def __init__(self, model, comm, stage, *, units=None, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                 weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
-                 reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
-                 broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
-                 pin_memory=True, init=None, overlap=True, native=None):
+    def __init__(self, model, comm, stage, *, units=None, optimizer="adamw", lr=1e-3, weight_decay=0.0, decay=None,
+                 dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16,
+                 scale_window=1000, skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
+                 offload_params=False, pin_memory=True, init=None, overlap=True, native=None, **options):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -49,6 +48,7 @@ class Engine:
             raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                              f"move the model to one device (model.to(device)) first")
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
+        options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
         check_offload(stage, offload, offload_dir, offload_params)
         if native is not None:
             comm.native = native  # torch's own collectives instead of the ring (ops.py)
@@ -59,7 +59,9 @@ class Engine:
         self.sharded = sharded(stage)           # what this stage keeps 1/N of
         self.dtype = dtype                      # compute dtype of params, grads and float inputs
         self.reduce_dtype = reduce_dtype or dtype  # dtype the gradients are summed in
-        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay  # AdamW; lr may change
+        self.optimizer = optimizer              # "adamw", "sgd", "adafactor" or "muon" (optimizers.py)
+        self.lr, self.weight_decay = lr, weight_decay  # lr may change between steps
+        self.options = options                  # the optimizer's other options (betas, momentum, muon_lr, ...)
         self.grad_accum = grad_accum            # backward() calls per step()
         self.clip = clip                        # max gradient norm, or None
         self.scale = loss_scale if dtype == torch.float16 else 1.0  # fp16 dynamic loss scale
@@ -100,11 +102,11 @@ class Engine:
             if offload == "disk" else None      # the files of disk offload (offload.py)
         place = Place(offload or "device", "cpu" if offload_params else "device",
                       pin_memory and device.type == "cuda", self.disk)
-        self.units = []
+        self.units, kind = [], choose_updates(model, optimizer, options)
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
-                                   place._replace(index=i)))
+                                   [kind(n, p) for n, p in g], options, place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -257,7 +259,7 @@ class Engine:
         mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
         if self.disk is None:
             u.master.copy_(mine)
-        else:  # m and v are read back too: a unit's slot is written whole
+        else:  # the state is read back too: a unit's slot is written whole
             state = self.optimizer_state(u)
             state["master"].copy_(mine)
             self.set_optimizer_state([(u, state)])
@@ -370,7 +372,7 @@ class Engine:
         coef = None
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
-        hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
+        hp = Hyper(self.lr, self.weight_decay, self.options, unscale, coef)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
@@ -378,11 +380,9 @@ class Engine:
         else:
             for u in self.units:
                 if self.sharded["optimizer"]:
-                    lo = self.comm.rank * u.shard_size
-                    zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
-                                self.comm, u.flat, u.shard)
+                    zero_update(u.master, u.state, u.reduced, runs(u, hp), hp, self.comm, u.flat, u.shard, u.whole)
                 else:
-                    ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
+                    ddp_update(u.flat, u.master, u.state, u.full_grad, runs(u, hp), hp, u.whole)
         self.t += 1
         self.skips_in_row = 0
         self._drop_grads()
@@ -450,7 +450,7 @@ class Engine:
         values = {}
         self._drain()
         for u in self.units:
-            master = self.optimizer_state(u, ("master",))["master"].to(self.device)
+            master = self.optimizer_state(u, master_only=True)["master"].to(self.device)
             full = all_gather(master, self.comm, kind="state_dict") if self.sharded["optimizer"] else master
             for p, o in zip(u.params, u.offsets):
                 values[id(p)] = full[o:o + p.numel()].view(p.shape)
@@ -479,14 +479,14 @@ class Engine:
             else:
                 grads += _nbytes(self.device, u.reduced) if u.reduced is not None else \
                     u.shard_size * self.reduce_dtype.itemsize
-            opt += _nbytes(self.device, u.m, u.v, u.master if own else None)
+            opt += _nbytes(self.device, *(u.state or {}).values(), u.master if own else None)
         return {"params": params, "grads": grads, "optimizer": opt}
 
     def offloaded(self):
         """{where: bytes} of this rank's model state kept off its device: "cpu" (host
         memory) or "disk" (the files hold two slots: twice this)."""
         out = {"disk": self.disk.nbytes()} if self.disk else {}
-        host = sum(_nbytes(torch.device("cpu"), u.master, u.m, u.v, u.shard) for u in self.units)
+        host = sum(_nbytes(torch.device("cpu"), u.master, *(u.state or {}).values(), u.shard) for u in self.units)
         if self.device.type != "cpu" and host:
             out["cpu"] = host
         return out
@@ -498,28 +498,36 @@ class Engine:
     def formula(self, offloaded=False, sent=False):
         """What memory() (offloaded=True: offloaded(); sent=True: the bytes one step sends,
         by the ledger's kinds) must be: minizero's formulas."""
-        layout = self.numel(), self.comm.world_size, self.stage, self.dtype
+        layout, state = (self.numel(), self.comm.world_size, self.stage, self.dtype), self.state_numel()
         if sent:
-            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype)
+            whole = {}
+            for u in self.units:
+                whole[u.whole] = whole.get(u.whole, 0) + u.padded
+            whole.pop(None, None)
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, whole)
         if offloaded:
-            return offloaded_bytes(*layout, self.offload, self.offload_params)
-        return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype)
+            return offloaded_bytes(*layout, self.offload, self.offload_params, state)
+        return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype, state)
 
-    def optimizer_state(self, u, keys=checkpoint.STATE):
-        """This rank's fp32 master, m and v of unit u (or the first of them: keys), as
-        {key: tensor} (from disk if they live there: a copy)."""
-        if self.disk is None:
-            return {k: getattr(u, k) for k in keys}
-        return self.disk.state(u.index, keys)
+    def state_numel(self):
+        """fp32 elements of optimizer state this rank keeps beside the master (its layout's count)."""
+        return sum(n for u in self.units for n in u.sizes.values())
+
+    def optimizer_state(self, u, master_only=False):
+        """This rank's fp32 master and optimizer state of unit u (or the master only), as
+        {"master": ..., key: tensor} (from disk if they live there: a copy)."""
+        if self.disk is not None:
+            return self.disk.state(u.index, 1 if master_only else None)
+        return {"master": u.master} if master_only else {"master": u.master, **u.state}
 
     def set_optimizer_state(self, states):
-        """(unit, {"master", "m", "v"}) pairs as this rank's optimizer state. On disk they go
+        """(unit, {"master", key...}) pairs as this rank's optimizer state. On disk they go
         to the other slots and count once all are written: a failed write changes nothing."""
         if self.disk is not None:
             return self.disk.put((u.index, state) for u, state in states)
         for u, state in states:
-            for k in checkpoint.STATE:
-                getattr(u, k).copy_(state[k])
+            for k, t in self.optimizer_state(u).items():
+                t.copy_(state[k])
 
     def save_checkpoint(self, path, meta=None):
         """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""

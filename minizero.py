@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
+from optimizers import WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401  (minizero.Hyper, runs)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -152,7 +153,7 @@ class Unit:
     """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
     everything this rank keeps for it. What the stage shards is held as rank r's chunk."""
 
-    def __init__(self, module, named, comm, dtype, sharded, decays, place):
+    def __init__(self, module, named, comm, dtype, sharded, decays, kinds, options, place):
         N, r = comm.world_size, comm.rank
         self.index = place.index                    # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
@@ -165,7 +166,13 @@ class Unit:
         self.shard_size = self.padded // N          # rank r owns elements [r·s, (r+1)·s)
         self.decays = decays                        # per parameter: does weight decay apply to it?
         self.used = [False] * len(self.params)      # per parameter: got a gradient this step (any rank)
-        self.steps = [0] * len(self.params)         # per parameter: AdamW's step count (bias correction)
+        self.steps = [0] * len(self.params)         # per parameter: its optimizer's step count
+        self.kinds = kinds                          # per parameter: the update it gets (optimizers.py)
+        self.keys = [state_keys(k, p.shape, options) for k, p in zip(kinds, self.params)]  # ...its state's keys
+        self.whole = next((k for k in kinds if k in WHOLE), None)  # an update that reads whole tensors, if any
+        lo = r * self.shard_size if sharded["optimizer"] else 0
+        self.pieces, self.sizes = state_layout(self.offsets, [p.shape for p in self.params], kinds, self.keys, lo,
+                                          lo + (self.shard_size if sharded["optimizer"] else self.padded))  # my range's pieces, state sizes
         self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
         for p, o in zip(self.params, self.offsets):
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
@@ -176,12 +183,12 @@ class Unit:
         mine = mine if self.shard is None else self.shard
         own = dtype != torch.float32 or place.state != "device"  # else the params are the master
         master = place.host(mine.float(), place.state) if own else mine
-        if place.state == "disk":  # master, m and v live in a file (offload.py), not here
-            place.disk.add(place.index, master)
-            master = None
+        state = {k: torch.zeros(n, device=master.device) for k, n in self.sizes.items()}
+        if place.state == "disk":  # master and the state live in a file (offload.py), not here
+            place.disk.add(place.index, {"master": master, **state})
+            master, state = None, None
         self.master = master                        # fp32 params the optimizer updates
-        self.m = None if master is None else torch.zeros_like(master)  # AdamW's first moment, cut like master
-        self.v = None if master is None else torch.zeros_like(master)  # ...and its second moment
+        self.state = state                          # the optimizer's state of my range, {key: fp32} (pieces)
         self.grad = None if sharded["grads"] else torch.zeros_like(self.flat)  # stages 0-1: full bucket
         self.local = None                           # stages 2-3: that bucket, alive only until reduced
         self.reduced = None                         # the reduced gradient shard, summed over micro-batches:
@@ -243,61 +250,6 @@ def sharded(stage):
     return {what: stage >= first for what, first in SHARDED_FROM.items()}
 
 
-class Hyper(NamedTuple):
-    """One step's AdamW hyperparameters, and what turns the reduced gradient sum into
-    the mean gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
-    lr: float
-    betas: tuple
-    eps: float
-    weight_decay: float
-    unscale: float
-    coef: Optional[torch.Tensor]
-
-
-def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
-    """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
-    1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
-    + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
-    whole buffer. p, m and v are updated in place (the same operations in the same order
-    as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
-    full-size temporaries."""
-    p.mul_(decay)
-    m.mul_(beta1).add_(g * (1 - beta1))
-    v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
-    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
-    p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
-    return p, m, v
-
-
-def runs(u, lo, hi, hp):
-    """The pieces of the unit's parameters inside elements [lo, hi) of its layout, as
-    (a, b, step count, decay factor) relative to lo; neighbours that agree are merged,
-    padding is left out, and so is a parameter no rank gave a gradient this step (torch's
-    AdamW skips a grad=None parameter: no decay, no moments, no step). Every stage cuts
-    its range the same way, so the same elements see the same numbers."""
-    out = []
-    for o, p, d, t, used in zip(u.offsets, u.params, u.decays, u.steps, u.used):
-        a, b = max(o, lo) - lo, min(o + p.numel(), hi) - lo
-        if a >= b or not used:
-            continue
-        decay = 1 - hp.lr * hp.weight_decay if d and hp.weight_decay else 1.0
-        if out and out[-1][1] == a and out[-1][2:] == (t, decay):
-            out[-1] = (out[-1][0], b, t, decay)
-        else:
-            out.append((a, b, t, decay))
-    return out
-
-
-def update(master, m, v, grad, pieces, hp):
-    """AdamW on one range of a unit (the whole buffer, or this rank's chunk): grad is
-    the reduced gradient sum there; master, m and v are updated in place."""
-    g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
-    if hp.coef is not None:
-        g = g * hp.coef.to(g.device)
-    for a, b, t, decay in pieces:
-        adamw(master[a:b], g[a:b], m[a:b], v[a:b], t, hp.lr, *hp.betas, hp.eps, decay)
-
-
 def reduce_grads(local, reduced, comm):
     """Every stage, every micro-batch: reduce-scatter the local gradient (each rank sends
     (N-1)/N·Ψ_u) and add this rank's shard to what earlier micro-batches reduced. The
@@ -318,19 +270,26 @@ def ddp_reduce(local, reduced, comm, last, out=None):
     return reduced, (all_gather(reduced, comm, out=out) if last else None)
 
 
-def ddp_update(flat, master, m, v, full_grad, pieces, hp):
+def ddp_update(flat, master, state, full_grad, steps, hp, whole=None):
     """Stage 0: every rank holds the whole reduced gradient and the whole optimizer
     state, and updates the whole buffer. Nothing is sent."""
-    update(master, m, v, full_grad, pieces, hp)
+    update(master, state, full_grad, steps, hp, whole)
     if flat is not master:  # 16-bit compute: round the fp32 master into the params
         flat.copy_(master)
 
 
-def zero_update(master, m, v, reduced, pieces, hp, comm, flat, shard):
-    """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state,
-    then shares it (share_params)."""
-    update(master, m, v, reduced, pieces, hp)
+def zero_update(master, state, reduced, steps, hp, comm, flat, shard, whole=None):
+    """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state
+    (Muon and Adafactor all-gather what they read of whole tensors: gather_whole), then
+    shares it (share_params)."""
+    update(master, state, reduced, steps, hp, whole, gather_whole(comm, flat.device) if whole else None)
     share_params(master, comm, flat, shard)
+
+
+def gather_whole(comm, device):
+    """What Muon and Adafactor read of whole tensors, all-gathered over the unit (each rank
+    sends (N-1)/N·Ψ_u of it, kind "optimizer"), back where the update runs."""
+    return lambda x: all_gather(x.to(device), comm, kind="optimizer").to(x.device)
 
 
 def share_params(master, comm, flat, shard):
@@ -432,43 +391,60 @@ def clip_coef(grad_shards, max_norm, comm):
 # 3. the formulas
 
 
+STATE_PER_PARAM = {"adamw": 2, "sgd": 1, "muon": 1, "adafactor": 0}  # the planner's fp32 state elements per
+# parameter beside the master: AdamW's m and v; SGD's momentum (0 without); Muon's momentum (the
+# AdamW params beside it keep 2: Engine.formula counts its layout exactly); Adafactor's rows and
+# columns (a matrix's R + C of its R·C, a vector's whole: the planner counts 0)
+GATHERED = {"muon": 2, "adafactor": 8}  # bytes per element a whole-tensor update all-gathers (optimizers.py)
+
+
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
-                      reduce_dtype=None):
-    """Bytes of model state resident per rank, for numel (padded) parameters. 16-bit
-    compute: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ,
-    grads 4Ψ, optimizer 8Ψ (the params are the master). Each is cut N ways once it is
-    sharded; a sharded grad is the reduced shard, in reduce_dtype. Offloaded state
-    (offloaded_bytes) is not resident: 0 here."""
+                      reduce_dtype=None, state=None):
+    """Bytes of model state resident per rank, for numel (padded) parameters. Params and
+    grads in the compute dtype; the optimizer's fp32 master (with fp32 compute the params
+    are the master) and its state: `state` fp32 elements per rank (default AdamW's m and v,
+    2Ψ cut like master: 16-bit AdamW keeps 2 + 2 + 12 bytes per parameter). Each is cut N
+    ways once it is sharded; a sharded grad is the reduced shard, in reduce_dtype.
+    Offloaded state (offloaded_bytes) is not resident: 0 here."""
     d = torch.finfo(dtype).bits // 8
     g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
-    per = {"params": 0 if offload_params else d, "grads": g,
-           "optimizer": 0 if offload else 8 + (4 if d != 4 else 0)}
-    return {k: per[k] * numel // (world_size if cut else 1) for k, cut in sharded(stage).items()}
+    cut = {k: world_size if c else 1 for k, c in sharded(stage).items()}
+    state = 2 * numel // cut["optimizer"] if state is None else state
+    opt = 0 if offload else (4 if d != 4 else 0) * numel // cut["optimizer"] + 4 * state
+    return {"params": (0 if offload_params else d) * numel // cut["params"], "grads": g * numel // cut["grads"],
+            "optimizer": opt}
 
 
-def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False):
-    """{where: bytes} of model state offloaded per rank: the optimizer's fp32 master, m
-    and v (12Ψ/N, with fp32 compute too: the host keeps its own master) to "cpu" or
-    "disk", and with offload_params the 16-bit shard to "cpu"."""
+def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+                    state=None):
+    """{where: bytes} of model state offloaded per rank: the optimizer's fp32 master and
+    state (AdamW: 12Ψ/N, with fp32 compute too: the host keeps its own master) to "cpu"
+    or "disk", and with offload_params the 16-bit shard to "cpu"."""
     out = {}
     if offload:
-        out[offload] = 12 * numel // world_size
+        out[offload] = 4 * numel // world_size + 4 * (2 * numel // world_size if state is None else state)
     if offload_params:
         out["cpu"] = out.get("cpu", 0) + torch.finfo(dtype).bits // 8 * numel // world_size
     return out
 
 
-def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None):
+def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
+                        whole=None):
     """Payload bytes one rank sends in one step: each ring collective over Ψ elements
     sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are reduce-scattered once per micro-batch;
     sharded params are gathered twice per micro-batch (forward and backward), whole ones
-    once per step (the grads at stage 0, the updated params at 1-2)."""
+    once per step (the grads at stage 0, the updated params at 1-2). A sharded optimizer
+    with whole-tensor updates gathers what they read ("optimizer", GATHERED bytes per
+    element) of the units that have them: whole = {"muon" or "adafactor": their Ψ}."""
     if world_size == 1:
         return {}
-    per = lambda t: (world_size - 1) * (numel // world_size) * (torch.finfo(t).bits // 8)  # noqa: E731
-    grad, param = per(reduce_dtype or dtype), per(dtype)
+    per = lambda n, b: (world_size - 1) * (n // world_size) * b  # noqa: E731
+    grad, param = per(numel, torch.finfo(reduce_dtype or dtype).bits // 8), per(numel, torch.finfo(dtype).bits // 8)
     gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
-    return {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
+    out = {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
+    if whole and sharded(stage)["optimizer"]:
+        out["optimizer"] = sum(per(n, GATHERED[k]) for k, n in whole.items())
+    return out
 
 
 def peak_memory(device):

@@ -1,7 +1,8 @@
 """
 Disk offload of the optimizer state (ZeRO-Infinity's NVMe offload, on any file system).
 
-Each unit's fp32 master, m and v for this rank's shard live in a file of their own,
+Each unit's fp32 master and optimizer state (AdamW's m and v, SGD's or Muon's momentum, ...)
+for this rank's shard live in a file of their own,
 named by process, engine, rank and unit (`*.offload`, never a checkpoint's name). A file
 has two slots, one of them current. A step streams each unit's state in from the current slot (the next unit's
 read runs on an I/O thread while this one is updated), and writes the updated state to
@@ -20,11 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from checkpoint import STATE
-from minizero import runs, share_params, update
+from minizero import gather_whole, share_params
 from ops import all_gather
+from optimizers import runs, update
 
-F32 = 4  # bytes per element of master, m and v
+F32 = 4  # bytes per element of master and the state
 
 
 def check_offload(stage, offload, offload_dir, offload_params):
@@ -38,7 +39,7 @@ def check_offload(stage, offload, offload_dir, offload_params):
         raise ValueError("offload_params moves stage 3's parameter shard to the host; use stage 3")
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir=, a directory on the disk the optimizer "
-                         "state should live on (it needs 24 bytes per parameter / world size)")
+                         "state should live on (AdamW needs 24 bytes per parameter / world size)")
 
 
 class DiskState:
@@ -47,7 +48,7 @@ class DiskState:
     def __init__(self, folder, tag):
         self.folder = folder                    # where the files live (the user's offload_dir)
         self.tag = tag                          # process, engine and rank: no two engines share a file
-        self.files = {}                         # unit index -> [file descriptor, path, elements, slot]
+        self.files = {}                         # unit index -> [file descriptor, path, {key: elements}, slot]
         self.written = set()                    # units whose other slot was written since the last commit
         self.io = ThreadPoolExecutor(1, thread_name_prefix="minizero-offload")  # reads and writes
         self.writes = []                        # writes in flight this step
@@ -62,44 +63,47 @@ class DiskState:
             raise ValueError(f"offload_dir {folder} cannot be written ({e}); give a directory on a disk "
                              f"with room for the optimizer state") from None
 
-    def add(self, i, master):
-        """Unit i's file: two slots of master, m, v; slot 0 holds master and zero moments."""
-        n = master.numel()
+    def add(self, i, state):
+        """Unit i's file: two slots of its {"master", key...}; slot 0 holds master and the
+        (zero) state."""
+        sizes = {k: t.numel() for k, t in state.items()}
+        n = sum(sizes.values())
         path = os.path.join(self.folder, f"minizero-{self.tag}-unit{i}.offload")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        self.files[i] = [fd, path, n, 0]  # slot 0 holds the state
+        self.files[i] = [fd, path, sizes, 0]  # slot 0 holds the state
         try:
-            os.posix_fallocate(fd, 0, 2 * 3 * n * F32)  # reserved now; reads as zeros
+            os.posix_fallocate(fd, 0, 2 * n * F32)  # reserved now; reads as zeros
         except OSError as e:
             raise ValueError(f"offload_dir {self.folder} has no room for the optimizer state "
-                             f"({2 * 3 * n * F32:,} bytes for {path}: {e})") from None
-        _pwrite(fd, master.detach().float().cpu().contiguous(), 0)
+                             f"({2 * n * F32:,} bytes for {path}: {e})") from None
+        _pwrite(fd, state["master"].detach().float().cpu().contiguous(), 0)
 
-    def read(self, i, count=3):
-        """Unit i's (master, m, v)[:count] as one new fp32 tensor of count·n elements."""
-        fd, path, n, slot = self.files[i]
-        buf = torch.empty(count * n, dtype=torch.float32)
-        offset = slot * 3 * n * F32
+    def read(self, i, count=None):
+        """Unit i's {"master", key...} (the first count of them) as views of one new fp32 tensor."""
+        fd, path, sizes, slot = self.files[i]
+        keys = list(sizes)[:count]
+        buf = torch.empty(sum(sizes[k] for k in keys), dtype=torch.float32)
+        offset = slot * sum(sizes.values()) * F32
         view = memoryview(buf.numpy()).cast("B")
         while len(view):
             got = os.preadv(fd, [view], offset)
             if got == 0:
                 raise OSError(f"{path} ends early: the offload file was truncated")
             view, offset = view[got:], offset + got
-        return buf
+        return dict(zip(keys, buf.split([sizes[k] for k in keys])))
 
-    def state(self, i, keys=STATE):
-        """Unit i's {key: tensor} for the first len(keys) of master, m, v (a copy)."""
-        return dict(zip(keys, self.read(i, len(keys)).view(len(keys), -1)))
+    def state(self, i, count=None):
+        """Unit i's {"master", key...} (the first count of them): a copy."""
+        return self.read(i, count)
 
     def put(self, pairs):
-        """(unit index, {"master", "m", "v"}) pairs as the new state, all or nothing."""
+        """(unit index, {"master", key...}) pairs as the new state, all or nothing."""
         for i, state in pairs:
-            self.write(i, torch.cat([state[k].reshape(-1) for k in STATE]))
+            self.write(i, state)
         self.finish()
         self.commit()
 
-    def stream(self, indices, count=3):
+    def stream(self, indices, count=None):
         """Yield (i, state) for each unit i, read from the current slot; the next unit's
         read runs on the I/O thread while the caller works on this one."""
         ahead = self.io.submit(self.read, indices[0], count) if indices else None
@@ -109,10 +113,11 @@ class DiskState:
             yield i, state
 
     def write(self, i, state):
-        """Queue unit i's new state (master, m, v in one tensor) for its other slot."""
-        fd, path, n, slot = self.files[i]
+        """Queue unit i's new {"master", key...} for its other slot."""
+        fd, path, sizes, slot = self.files[i]
         self.written.add(i)
-        self.writes.append(self.io.submit(_pwrite, fd, state.float().cpu().contiguous(), (1 - slot) * 3 * n * F32))
+        flat = torch.cat([state[k].reshape(-1).float().cpu() for k in sizes])
+        self.writes.append(self.io.submit(_pwrite, fd, flat, (1 - slot) * sum(sizes.values()) * F32))
 
     def finish(self):
         """Wait for the queued writes; an OSError (a full disk) comes out here, and then
@@ -133,15 +138,15 @@ class DiskState:
 
     def nbytes(self):
         """Bytes of optimizer state offloaded (the files hold two slots: twice this)."""
-        return sum(3 * f[2] * F32 for f in self.files.values())
+        return sum(sum(f[2].values()) * F32 for f in self.files.values())
 
     def close(self):
         self.closer()
 
 
 def disk_update(engine, hp):
-    """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master,
-    m and v stream in (the next unit's read runs alongside), are updated on the host
+    """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master
+    and state stream in (the next unit's read runs alongside), are updated on the host
     (minizero.update) and stream out to the files' other slot. Only once every rank has
     written every unit (one small collective) do the slots swap and the params follow,
     as in zero_update (share_params): a failed write (a full disk) leaves params, moments
@@ -149,8 +154,10 @@ def disk_update(engine, hp):
     disk, units, error = engine.disk, engine.units, ""
     try:
         for i, state in disk.stream(range(len(units))):
-            u, lo = units[i], engine.comm.rank * units[i].shard_size
-            update(*state.view(3, -1), u.reduced, runs(u, lo, lo + u.shard_size, hp), hp)
+            u = units[i]
+            gather = gather_whole(engine.comm, engine.device) if u.whole else None
+            update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced, runs(u, hp), hp,
+                   u.whole, gather)
             disk.write(i, state)
         disk.finish()
     except OSError as e:
@@ -165,8 +172,8 @@ def disk_update(engine, hp):
                            f"optimizer state to {disk.folder} ({error or 'see that rank'}); params, moments "
                            f"and step counts are as they were. Free space there and train on")
     disk.commit()
-    for i, master in disk.stream(range(len(units)), count=1):
-        share_params(master, engine.comm, units[i].flat, units[i].shard)
+    for i, state in disk.stream(range(len(units)), count=1):
+        share_params(state["master"], engine.comm, units[i].flat, units[i].shard)
 
 
 def _pwrite(fd, t, offset):

@@ -33,7 +33,7 @@ def run(comm, stage, model, batches, kw, poison=None):
         stepped = engine.step()
         u = engine.units[0]
         out.append((stepped, engine.scale, engine.full_state_dict(),
-                    ops.all_gather(u.m, comm) if stage else u.m.clone(), engine.t))
+                    ops.all_gather(u.state["m"], comm) if stage else u.state["m"].clone(), engine.t))
     return out
 
 

@@ -1,0 +1,273 @@
+"""
+The optimizers minizero trains with: torch.optim's AdamW, SGD, Adafactor and Muon, as pure
+functions over explicit tensors, and the one `update` that runs them on a range of a unit
+(stage 0: the whole buffer; stages 1-3: this rank's chunk).
+
+AdamW and SGD are elementwise: a shard's update is the same bits as the whole buffer's,
+cut. Muon (Newton-Schulz on each whole matrix) and Adafactor (row and column sums, norms,
+an RMS clip over the whole tensor) look at whole tensors, which a flat shard cuts at an
+arbitrary element. So each rank all-gathers what they read of its unit (Muon: the momentum
+update, in bf16, as Newton-Schulz casts it; Adafactor: the gradient and the params, fp32),
+runs on each whole tensor it holds a piece of the very computation stage 0 runs on the very
+same tensor, and keeps its own slice: the same bits at every stage (Moonlight's distributed
+Muon does the same; the cost is in minizero.comm_bytes_per_step).
+
+A parameter's optimizer state is a dict of named tensors (torch.optim's names: AdamW's m
+and v, SGD's and Muon's momentum_buffer, Adafactor's row and col, or variance for a vector),
+held per unit and range by key (state_layout), so the engine moves, offloads and saves it
+without knowing which optimizer made it.
+"""
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+OPTIMIZERS = {  # name -> its options besides lr and weight_decay: torch.optim's names and defaults
+    "adamw": dict(betas=(0.9, 0.999), eps=1e-8),
+    "sgd": dict(momentum=0.0, nesterov=False),
+    "adafactor": dict(beta2_decay=-0.8, eps=(None, 1e-3), d=1.0),
+    "muon": dict(muon_lr=1e-3, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
+                 adjust_lr_fn=None, muon=None, betas=(0.9, 0.999), eps=1e-8),  # betas, eps: AdamW's, on the rest
+}
+WHOLE = ("muon", "adafactor")  # the updates that read whole tensors
+MUON_EPS = 1e-7  # torch's Muon: the Frobenius norm Newton-Schulz divides by is at least this
+
+
+def optimizer_options(optimizer, options):
+    """The optimizer's options: torch.optim's defaults with `options` over them. An unknown
+    optimizer or option raises, listing the choices."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}; got {optimizer!r}")
+    unknown = sorted(set(options) - set(OPTIMIZERS[optimizer]))
+    if unknown:
+        raise ValueError(f"optimizer {optimizer!r} has no option {unknown[0]!r}; its options are lr, "
+                         f"weight_decay, {', '.join(OPTIMIZERS[optimizer])}")
+    o = {**OPTIMIZERS[optimizer], **options}
+    if optimizer in ("sgd", "muon") and o["nesterov"] and not o["momentum"]:
+        raise ValueError(f"{optimizer}: nesterov=True needs a momentum > 0 (torch.optim's rule)")
+    if optimizer == "muon" and o["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+        raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {o['adjust_lr_fn']!r}")
+    if optimizer == "adafactor" and (o["d"] < 1 or o["beta2_decay"] > 0):
+        raise ValueError(f"adafactor: d must be >= 1 and beta2_decay <= 0; got d={o['d']}, "
+                         f"beta2_decay={o['beta2_decay']}")
+    return o
+
+
+def choose_updates(model, optimizer, options):
+    """fn(name, param) -> the update it gets: the optimizer's own, except that "muon" gives
+    Muon to the params options["muon"](name, p) selects (default, the Muon recipe: every 2-D
+    weight of an nn.Linear not tied to an nn.Embedding) and AdamW to the rest."""
+    if optimizer != "muon":
+        return lambda n, p: optimizer
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    pick = options["muon"] or (lambda n, p: id(p) in linear and id(p) not in embedding and p.dim() == 2)
+
+    def kind(n, p):
+        if pick(n, p) and p.dim() != 2:
+            raise ValueError(f"muon= selects {n} of shape {tuple(p.shape)}, but Muon updates 2-D matrices only; "
+                             f"leave it to AdamW (muon=fn returning False for it)")
+        return "muon" if pick(n, p) else "adamw"
+    return kind
+
+
+def state_keys(kind, shape, options):
+    """One parameter's optimizer state: {key: None (elementwise, one value per element, cut
+    like master) or the element count of a whole-tensor state}, torch.optim's names."""
+    if kind == "adamw":
+        return {"m": None, "v": None}
+    if kind in ("sgd", "muon"):
+        return {"momentum_buffer": None} if options["momentum"] else {}
+    n = math.prod(shape)  # adafactor: factored second moments of a matrix, whole ones of a vector
+    if len(shape) > 1:
+        return {"row": n // max(shape[-1], 1), "col": n // max(shape[-2], 1)}
+    return {"variance": n}
+
+
+class Piece(NamedTuple):
+    """One parameter's part of a range [lo, hi) of its unit."""
+    i: int         # the parameter's index in its unit
+    kind: str      # the update it gets (choose_updates)
+    shape: tuple   # its shape
+    o: int         # where the whole parameter starts in the unit
+    lo: int        # where the range starts in the unit
+    a: int         # its elements inside the range: [a, b), relative to lo
+    b: int
+    at: dict       # key -> (c, d): its state inside the range's tensor of that key
+
+
+def state_layout(offsets, shapes, kinds, keys, lo, hi):
+    """The parameters inside elements [lo, hi) of a unit (one Piece each), and per key the
+    element count of the range's state tensor. An elementwise key every parameter has spans
+    the whole range, padding too (AdamW's m and v are master's twins); one only some have
+    holds just theirs, back to back (Muon's momentum; the AdamW moments of the rest); a
+    whole-tensor key holds the whole state of each parameter in the range (Adafactor's)."""
+    full = set.intersection(*({k for k, w in ks.items() if w is None} for ks in keys)) if keys else set()
+    sizes = {k: (hi - lo if k in full else 0) for ks in keys for k in ks}
+    pieces = []
+    for i, (o, shape, kind, ks) in enumerate(zip(offsets, shapes, kinds, keys)):
+        a, b = max(o, lo) - lo, min(o + math.prod(shape), hi) - lo
+        if a >= b:
+            continue
+        at = {}
+        for k, whole in ks.items():
+            if k in full:
+                at[k] = (a, b)
+            else:
+                c = sizes[k]
+                at[k] = (c, c + (b - a if whole is None else whole))
+                sizes[k] = at[k][1]
+        pieces.append(Piece(i, kind, tuple(shape), o, lo, a, b, at))
+    return pieces, sizes
+
+
+class Hyper(NamedTuple):
+    """One step's hyperparameters, and what turns the reduced gradient sum into the mean
+    gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
+    lr: float
+    weight_decay: float
+    options: dict   # the optimizer's other options (optimizer_options)
+    unscale: float
+    coef: Optional[torch.Tensor]
+
+
+def runs(u, hp):
+    """The steps of the unit's range this step: (Piece, step count, weight decay) per
+    parameter some rank gave a gradient (torch skips a grad=None parameter: no decay, no
+    state, no step). Elementwise neighbours that agree are merged into one piece. Every
+    stage cuts its range the same way, so the same elements see the same numbers."""
+    out = []
+    for p in u.pieces:
+        if not u.used[p.i]:
+            continue
+        t, wd = u.steps[p.i], hp.weight_decay if u.decays[p.i] else 0.0
+        if out and p.kind not in WHOLE and out[-1][0].kind == p.kind and out[-1][1:] == (t, wd) \
+                and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
+            q = out[-1][0]
+            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()})
+            out[-1] = (p, t, wd)
+        else:
+            out.append((p, t, wd))
+    return out
+
+
+def update(master, state, grad, steps, hp, whole=None, gather=None):
+    """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
+    grad is the reduced gradient sum there; master and the state tensors (by key) are
+    updated in place. whole: the unit's whole-tensor update ("muon", "adafactor" or None);
+    gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
+    own range holds (stage 0 holds the whole unit: None)."""
+    g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
+    if hp.coef is not None:
+        g = g * hp.coef.to(g.device)
+    o, gather = hp.options, gather or (lambda x: x)
+    for p, t, wd in steps:
+        s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
+        if p.kind == "adamw":
+            adamw(master[p.a:p.b], g[p.a:p.b], s["m"], s["v"], t, hp.lr, *o["betas"], o["eps"],
+                  1 - hp.lr * wd if wd else 1.0)
+        elif p.kind == "sgd":
+            sgd(master[p.a:p.b], g[p.a:p.b], s.get("momentum_buffer"), t, hp.lr, o["momentum"], o["nesterov"], wd)
+    if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
+        x = torch.zeros(len(g), dtype=torch.bfloat16, device=g.device)
+        mine = [(p, t, wd) for p, t, wd in steps if p.kind == "muon"]
+        for p, t, wd in mine:
+            c, d = p.at.get("momentum_buffer", (0, 0))
+            x[p.a:p.b] = muon_momentum(state["momentum_buffer"][c:d] if d else None, g[p.a:p.b], o["momentum"],
+                                       o["nesterov"])
+        full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
+        for p, t, wd in mine:
+            n, w = math.prod(p.shape), p.lo - p.o  # w: where my range starts inside the parameter
+            ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"], o["ns_steps"])
+            master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
+            master[p.a:p.b].add_(ortho.reshape(-1)[w + p.a:w + p.b],
+                                 alpha=-muon_lr(o["muon_lr"], o["adjust_lr_fn"], p.shape))
+    elif whole == "adafactor":  # the whole gradient and params (before this step), fp32
+        gs, ps = gather(g), gather(master)  # stages 1-3: each rank sends (N-1)/N·Ψ_u twice, fp32
+        for p, t, wd in steps:
+            n, w = math.prod(p.shape), p.lo - p.o
+            s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
+            step, size = adafactor(ps[p.o:p.o + n].view(p.shape), gs[p.o:p.o + n].view(p.shape), s, t, hp.lr,
+                                   o["beta2_decay"], *o["eps"], o["d"])
+            if wd:
+                master[p.a:p.b].mul_(1 - hp.lr * wd)
+            master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b], alpha=-size)
+
+
+def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
+    """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
+    1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
+    + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
+    whole buffer. p, m and v are updated in place (the same operations in the same order
+    as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
+    full-size temporaries."""
+    p.mul_(decay)
+    m.mul_(beta1).add_(g * (1 - beta1))
+    v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
+    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
+    p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
+    return p, m, v
+
+
+def sgd(p, g, buf, t, lr, momentum, nesterov, weight_decay):
+    """One SGD step, torch.optim.SGD semantics (dampening 0): weight decay added to the
+    gradient; the momentum buffer starts as the first gradient (t is the step count).
+    Elementwise: each op rounds per element wherever the slice starts."""
+    if weight_decay:
+        g = g.add(p, alpha=weight_decay)
+    if buf is not None:
+        buf.copy_(g) if t == 1 else buf.mul_(momentum).add_(g)
+        g = g.add(buf, alpha=momentum) if nesterov else buf
+    p.add_(g, alpha=-lr)
+
+
+def muon_momentum(buf, g, momentum, nesterov):
+    """torch's Muon before Newton-Schulz: buf.lerp_(g, 1 - momentum), then Nesterov's
+    g.lerp(buf, momentum). Elementwise (lerp rounds once per element, on any slice)."""
+    if buf is None:  # momentum 0: the gradient itself
+        return g
+    buf.lerp_(g, 1 - momentum)
+    return g.lerp(buf, momentum) if nesterov else buf
+
+
+def newton_schulz(G, coefficients, steps, eps=MUON_EPS):
+    """torch's Muon orthogonalization of one whole matrix: bf16, the transpose of a tall
+    one, first divided by its Frobenius norm, then `steps` quintic iterations."""
+    X = G.bfloat16()
+    if G.size(0) > G.size(1):
+        X = X.T
+    X = X.div(X.norm().clamp(min=eps))
+    a, b, c = coefficients
+    for _ in range(steps):
+        A = X @ X.T
+        X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+    return X.T if G.size(0) > G.size(1) else X
+
+
+def muon_lr(lr, adjust_lr_fn, shape):
+    """torch's Muon step size for an A x B matrix: lr·sqrt(max(1, A/B)) ("original", the
+    default) or lr·0.2·sqrt(max(A, B)) ("match_rms_adamw")."""
+    A, B = shape[:2]
+    return lr * (0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1, A / B)))
+
+
+def adafactor(p, g, state, t, lr, beta2_decay, eps1, eps2, d):
+    """torch.optim.Adafactor on one whole tensor (p before this step's decay, g its mean
+    gradient): its row and column second moments (or a vector's whole one) in `state`,
+    updated in place. -> (the update, its step size: relative step, RMS-clipped by d)."""
+    eps1 = torch.finfo(torch.float32).eps if eps1 is None else eps1
+    beta = t ** beta2_decay
+    alpha = max(eps2, p.norm(2).item() / p.numel() ** 0.5) * min(lr, 1 / t ** 0.5)
+    if g.dim() > 1:
+        row = state["row"].view(*g.shape[:-1], 1)
+        col = state["col"].view(*g.shape[:-2], 1, g.shape[-1])
+        row.lerp_(torch.norm(g, dim=-1, keepdim=True).square_().div_(g.size(-1)), beta)
+        col.lerp_(torch.norm(g, dim=-2, keepdim=True).square_().div_(g.size(-2)), beta)
+        var = (row @ col).div_(row.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+    else:
+        variance = state["variance"].view(g.shape)
+        variance.lerp_(g * g, beta)
+        var = variance.clone()
+    step = var.clamp_(min=eps1 * eps1).rsqrt_().mul_(g)
+    return step, alpha / max(1.0, step.norm(2).item() / (step.numel() ** 0.5 * d))
