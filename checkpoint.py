@@ -151,18 +151,18 @@ def load(engine, path):
         raise ValueError(f"checkpoint {path} was saved with optimizer {m.get('optimizer', 'adamw')!r}, and this "
                          f"engine trains with {engine.optimizer!r}: its state does not carry over; build the "
                          f"engine with optimizer={m.get('optimizer', 'adamw')!r}, or start without the checkpoint")
-    for u in engine.units:
-        for n, kind, keys in zip(u.names, u.kinds, u.keys):
-            if (params[n]["kind"], params[n]["state"]) != (kind, keys):
-                raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
-                                 f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
-                                 f"build the engine with the options it was saved with")
     mine = {n: p for u in engine.units for n, p in zip(u.names, u.params)}
     _check_same(path, {n: list(p.shape) for n, p in mine.items()},
                 {n: v["shape"] for n, v in params.items()}, "trainable parameter")
     frozen = engine.frozen()
     _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
+    for u in engine.units:
+        for n, kind, keys in zip(u.names, u.kinds, u.keys):
+            if (params[n]["kind"], params[n]["state"]) != (kind, keys):
+                raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
+                                 f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
+                                 f"build the engine with the options it was saved with")
     r = engine.comm.rank
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     engine.set_optimizer_state((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(

@@ -48,6 +48,8 @@ def optimizer_options(optimizer, options):
         raise ValueError(f"{optimizer}: nesterov=True needs a momentum > 0 (torch.optim's rule)")
     if optimizer == "muon" and o["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {o['adjust_lr_fn']!r}")
+    if optimizer == "adafactor" and not (isinstance(o["eps"], (tuple, list)) and len(o["eps"]) == 2):
+        raise ValueError(f"adafactor: eps is torch's pair (eps1 or None, eps2), default (None, 1e-3); got {o['eps']!r}")
     if optimizer == "adafactor" and (o["d"] < 1 or o["beta2_decay"] > 0):
         raise ValueError(f"adafactor: d must be >= 1 and beta2_decay <= 0; got d={o['d']}, "
                          f"beta2_decay={o['beta2_decay']}")

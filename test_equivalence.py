@@ -7,7 +7,8 @@ draws the models and worlds it is run on.
 Hypothesis draws the model (depth, widths smaller than and not divisible by the world
 size, bias, a tied pair, a frozen layer), the world size (1-5), steps, gradient
 accumulation, clipping, learning rate, weight decay, eps, compute dtype, overlap, random
-delays in the communication, and the optimizer state offloaded to disk. Ranks are threads, so hundreds of examples run in
+delays in the communication, the optimizer (AdamW, SGD, Muon + AdamW, Adafactor, with their
+options) and its state offloaded to disk. Ranks are threads, so hundreds of examples run in
 seconds; a few fixed cases rerun on real gloo processes and must give the same bits,
 and stage 0 is held against torch's DistributedDataParallel there.
 
@@ -76,9 +77,29 @@ def cases(draw):
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
                        eps=draw(st.sampled_from([1e-8, 1e-3])), clip=draw(st.none() | st.floats(0.01, 2.0)),
                        grad_accum=c["grad_accum"], dtype=c["dtype"], overlap=draw(st.booleans()))
-    if draw(st.integers(0, 3)) == 0:  # stages 1-3 with AdamW's state on disk; stage 0 stays the reference
+    c["engine"].update(draw(optimizers(c["engine"].pop("eps"))))
+    if draw(st.integers(0, 3)) == 0:  # stages 1-3 with the optimizer's state on disk; stage 0 stays the reference
         c["engine"].update(offload="disk", offload_dir=SCRATCH.name)
     return c
+
+
+@st.composite
+def optimizers(draw, eps):
+    """One of the four optimizers, half the time AdamW, with its options. The Net's matrices
+    (widths 1-9, world sizes 1-5) straddle shard boundaries and are often smaller than N:
+    Muon's Newton-Schulz and Adafactor's row and column sums must still see each whole."""
+    name = draw(st.sampled_from(["adamw", "adamw", "adamw", "sgd", "muon", "adafactor"]))
+    if name == "sgd":
+        momentum = draw(st.sampled_from([0.0, 0.9]))
+        return dict(optimizer=name, momentum=momentum, nesterov=bool(momentum) and draw(st.booleans()))
+    if name == "muon":  # Muon on the layers' weights (not the tied head), AdamW on the rest
+        momentum = draw(st.sampled_from([0.0, 0.95]))
+        return dict(optimizer=name, eps=eps, muon_lr=draw(st.floats(1e-3, 0.1)), momentum=momentum,
+                    nesterov=bool(momentum) and draw(st.booleans()),
+                    adjust_lr_fn=draw(st.sampled_from([None, "match_rms_adamw"])))
+    if name == "adafactor":
+        return dict(optimizer=name, d=draw(st.sampled_from([1.0, 1.5])), beta2_decay=draw(st.sampled_from([-0.8, -0.5])))
+    return dict(eps=eps)
 
 
 def make(c):

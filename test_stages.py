@@ -15,9 +15,9 @@ LR, WD = 0.05, 0.1
 
 
 def pieces(lo, hi, numel, t=1):
-    """What minizero.runs gives for one parameter of numel elements: its part of [lo, hi)."""
-    b = min(hi, numel) - lo
-    return [(0, b, t, 1 - LR * WD)] if b > 0 else []
+    """What minizero.runs gives for one AdamW parameter of numel elements: its part of [lo, hi)."""
+    layout = mz.state_layout([0], [(numel,)], ["adamw"], [{"m": None, "v": None}], lo, hi)[0]
+    return [(p, t, WD) for p in layout]
 
 
 def rank_world(comm, numel, dtype):
@@ -30,7 +30,7 @@ def rank_world(comm, numel, dtype):
     g.manual_seed(100 + r)
     local = torch.zeros(padded, dtype=dtype)
     local[:numel] = torch.randn(numel, generator=g).to(dtype)        # this rank's own gradient
-    hp = mz.Hyper(LR, (0.9, 0.999), 1e-8, WD, 1.0 / N, None)
+    hp = mz.Hyper(LR, WD, {"betas": (0.9, 0.999), "eps": 1e-8}, 1.0 / N, None)
     master = (lambda x: x if dtype == torch.float32 else x.float())  # fp32 needs no separate master
     out, sent = {}, {}
 
@@ -44,7 +44,7 @@ def rank_world(comm, numel, dtype):
     flat0 = params.clone()
     m0, v0, p0 = torch.zeros(padded), torch.zeros(padded), master(flat0)
     red0, full = ledger("ddp_reduce", lambda: mz.ddp_reduce(local, None, comm, last=True))
-    mz.ddp_update(flat0, p0, m0, v0, full, pieces(0, padded, numel), hp)
+    mz.ddp_update(flat0, p0, {"m": m0, "v": v0}, full, pieces(0, padded, numel), hp)
     out[0] = dict(flat=flat0, m=m0, v=v0, reduced=red0)
 
     # stages 1-2: reduce-scatter, update my chunk (1/N of m and v), all-gather the params
@@ -52,7 +52,7 @@ def rank_world(comm, numel, dtype):
     p1 = master(flat1.view(N, s)[r]) if dtype == torch.float32 else flat1.view(N, s)[r].float()
     m1, v1 = torch.zeros(s), torch.zeros(s)
     red1 = ledger("reduce_grads", lambda: mz.reduce_grads(local, None, comm))
-    ledger("zero_update_12", lambda: mz.zero_update(p1, m1, v1, red1, pieces(r * s, (r + 1) * s, numel), hp,
+    ledger("zero_update_12", lambda: mz.zero_update(p1, {"m": m1, "v": v1}, red1, pieces(r * s, (r + 1) * s, numel), hp,
                                                     comm, flat1, None))
     out[1] = dict(flat=flat1, m=m1, v=v1, reduced=red1, master=p1)
 
@@ -64,7 +64,7 @@ def rank_world(comm, numel, dtype):
     gathered = ledger("gather_params", lambda: mz.gather_params(shard, flat3, comm).clone())
     mz.release_params(flat3)
     red3 = mz.reduce_grads(local, None, comm)
-    ledger("zero_update_3", lambda: mz.zero_update(p3, m3, v3, red3, pieces(r * s, (r + 1) * s, numel), hp,
+    ledger("zero_update_3", lambda: mz.zero_update(p3, {"m": m3, "v": v3}, red3, pieces(r * s, (r + 1) * s, numel), hp,
                                                    comm, flat3, shard))
     out[3] = dict(shard=shard, m=m3, v=v3, reduced=red3, gathered=gathered,
                   released=flat3.untyped_storage().nbytes())
