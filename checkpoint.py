@@ -54,7 +54,7 @@ def save(engine, path, meta=None):
     shard = {"units": [{k: t.cpu() for k, t in my_state(engine, u).items()} for u in engine.units]}
     if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
-                          for n, t in engine.frozen().items()}
+                          for n, t in frozen(engine).items()}
     mine, mpath = os.path.join(path, f"shard-{tag}-{r}.pt"), os.path.join(path, "manifest.json")
     try:
         digest, error = write_atomic(mine, shard), ""
@@ -90,7 +90,7 @@ def save(engine, path, meta=None):
 def my_state(engine, u):
     """Rank r's master and optimizer state of unit u, as a world of this size and a sharded
     stage keeps them (from disk if offloaded there; DDP holds the whole: cut out my range)."""
-    st = engine.optimizer_state(u)
+    st = read_state(engine, u)
     if engine.sharded["optimizer"]:
         return st
     r, s = engine.comm.rank, u.shard_size
@@ -154,8 +154,8 @@ def load(engine, path):
     mine = {n: p for u in engine.units for n, p in zip(u.names, u.params)}
     _check_same(path, {n: list(p.shape) for n, p in mine.items()},
                 {n: v["shape"] for n, v in params.items()}, "trainable parameter")
-    frozen = engine.frozen()
-    _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
+    fixed = frozen(engine)
+    _check_same(path, {n: list(t.shape) for n, t in fixed.items()},
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
     for u in engine.units:
         for n, kind, keys in zip(u.names, u.kinds, u.keys):
@@ -165,9 +165,9 @@ def load(engine, path):
                                  f"build the engine with the options it was saved with")
     r = engine.comm.rank
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
-    engine.set_optimizer_state((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
+    write_state(engine, ((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
         u.pieces, u.keys, u.sizes, [{k: params[n][k] for k in keys} for n, keys in zip(u.names, u.keys)])})
-        for u in engine.units)
+        for u in engine.units))
     for u in engine.units:  # then what the model reads
         u.steps = [params[n]["steps"] for n in u.names]  # the optimizer's per-parameter step counts
         master = _assemble(u, params, "master")
@@ -175,10 +175,50 @@ def load(engine, path):
             u.shard.copy_(u.chunk(master, r))
         else:
             u.flat.copy_(master)  # the live parameters, all of them
-    for n, t in frozen.items():
+    for n, t in fixed.items():
         t.data.copy_(extra[n])
     engine.t, engine.scale, engine.clean_steps = m["step"], m["scale"], m["clean_steps"]
     return m.get("meta")
+
+
+def read_state(engine, u, master_only=False):
+    """This rank's fp32 master and optimizer state of unit u (or the master only), as
+    {"master": ..., key: tensor}, by name (from disk if they live there: a copy)."""
+    if engine.disk is not None:
+        return engine.disk.state(u.index, 1 if master_only else None)
+    return {"master": u.master} if master_only else {"master": u.master, **u.state}
+
+
+def write_state(engine, states):
+    """(unit, {"master", key...}) pairs as this rank's optimizer state. On disk they go
+    to the other slots and count once all are written: a failed write changes nothing."""
+    if engine.disk is not None:
+        return engine.disk.put((u.index, state) for u, state in states)
+    for u, state in states:
+        for k, t in read_state(engine, u).items():
+            t.copy_(state[k])
+
+
+def frozen(engine):
+    """{name: tensor} of the model's state that is not a trainable parameter."""
+    trainable = {id(p) for u in engine.units for p in u.params}
+    return {n: t for n, t in engine.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+
+
+def full_state_dict(engine):
+    """Engine.full_state_dict: every unit's master all-gathered (stages 1-3), every name
+    of model.state_dict() (tied names, frozen parameters and buffers too), fp32."""
+    values = {}
+    for u in engine.units:
+        master = read_state(engine, u, master_only=True)["master"].to(engine.device)
+        full = all_gather(master, engine.comm, kind="state_dict") if engine.sharded["optimizer"] else master
+        for p, o in zip(u.params, u.offsets):
+            values[id(p)] = full[o:o + p.numel()].view(p.shape)
+    out = {}
+    for name, t in engine.model.state_dict(keep_vars=True).items():
+        v = values[id(t)] if id(t) in values else t.detach()  # (a released param: never read)
+        out[name] = (v.float() if v.is_floating_point() else v).clone()
+    return out
 
 
 # -----------------------------------------------------------------------------

@@ -18,10 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
-from minizero import (DTYPES, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step, ddp_reduce,
-                      ddp_update, default_units, gather_params, group_params, materialize, meta_owners,
-                      model_state_bytes, offloaded_bytes, reduce_grads, release_params, sharded, tensors, zero_update)
-from offload import DiskState, check_offload, disk_update
+from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
+                      ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
+                      meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
+                      sharded, state_numel, tensors, whole_numel, zero_update)
+from checkpoint import read_state, write_state
+from offload import check_offload, disk_update, placement
 from optimizers import Hyper, choose_updates, optimizer_options, runs
 from ops import Pending, all_gather, broadcast
 
@@ -35,18 +37,7 @@ class Engine:
                  dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16,
                  scale_window=1000, skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
                  offload_params=False, pin_memory=True, init=None, overlap=True, native=None, **options):
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
-        if grad_accum < 1:
-            raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
-        if not any(p.requires_grad for p in model.parameters()):
-            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
-        devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
-        if len(devices) > 1:
-            raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
-                             f"move the model to one device (model.to(device)) first")
+        check_engine_args(model, stage, dtype, grad_accum)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
         check_offload(stage, offload, offload_dir, offload_params)
@@ -85,23 +76,13 @@ class Engine:
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
 
         modules = default_units(model) if units is None else list(units)
-        groups, cross = group_params(model, modules)
-        if cross and self.sharded["params"]:
-            a, b = cross[0]
-            raise ValueError(f"{a} and {b} are one parameter tied across two units; stage 3 "
-                             f"gathers one unit at a time, so put both modules in one unit "
-                             f"(units=...) or use stage 0-2")
+        groups = group_params(model, modules, self.sharded["params"])
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
         device = comm.device if owners else next(model.parameters()).device
-        if device.type == "cpu" and (offload == "cpu" or offload_params):  # say so once, change nothing
-            warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
-                          "so nothing moves; offload='disk' is the one that frees RAM here")
-            offload, offload_params = (None if offload == "cpu" else offload), False
-        self.offload, self.offload_params = offload, offload_params  # where the shards live, if not here
-        self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
-            if offload == "disk" else None      # the files of disk offload (offload.py)
-        place = Place(offload or "device", "cpu" if offload_params else "device",
-                      pin_memory and device.type == "cuda", self.disk)
+        place = placement(device, offload, offload_dir, offload_params, pin_memory,
+                          f"{os.getpid()}-{id(self):x}-rank{comm.rank}")
+        self.offload, self.offload_params = place.state if place.state != "device" else None, place.params == "cpu"
+        self.disk = place.disk                  # the files of disk offload (offload.py), or None
         self.units, kind = [], choose_updates(model, optimizer, options)
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
@@ -119,14 +100,14 @@ class Engine:
         ref = weakref.ref(self)
         for u in self.units:
             for i, p in enumerate(u.params):
-                p.register_post_accumulate_grad_hook(_grad_hook(ref, u, i))
+                p.register_post_accumulate_grad_hook(_hook(ref, "_on_grad", u, i))
             if self.sharded["params"]:  # (each unit starts released: Unit)
-                u.module.register_forward_pre_hook(_gather_hook(ref, u))
-                u.module.register_forward_hook(_after_forward_hook(ref, u))
-        model.register_forward_pre_hook(_before_forward_hook(ref), with_kwargs=True)
-        model.register_load_state_dict_pre_hook(_load_hook(ref))
+                u.module.register_forward_pre_hook(_hook(ref, "_gather", u))
+                u.module.register_forward_hook(_hook(ref, "_after_forward", u))
+        model.register_forward_pre_hook(_hook(ref, "_before_forward"), with_kwargs=True)
+        model.register_load_state_dict_pre_hook(_hook(ref, "_loading"))
         if self.sharded["params"]:
-            model.register_forward_hook(_eval_done_hook(ref))
+            model.register_forward_hook(_hook(ref, "_eval_done"))
 
     # ---- communication runs on its own thread, in the order it is asked for
 
@@ -160,7 +141,14 @@ class Engine:
 
     # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
 
-    def _before_forward(self, args, kwargs):
+    def _loading(self, *_):
+        """model.load_state_dict() would change the params but not the optimizer's master."""
+        if not self.writing:
+            raise RuntimeError("load weights inside `with engine.gathered(writable=True):` (every rank "
+                               "enters it), so the optimizer's fp32 master takes them too; or use "
+                               "engine.load_checkpoint(), or load before you build the Engine")
+
+    def _before_forward(self, module, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere
             self._submit(self._broadcast_buffers).wait()  # (in line with stage 3's prefetches)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
@@ -174,11 +162,12 @@ class Engine:
 
     # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next
 
-    def _gather(self, u, order):
-        """Wait for unit u's params (fetching them now if no prefetch did), then start
-        fetching the unit that came after u last time in this pass (order)."""
+    def _gather(self, u, *_):
+        """Before u's forward, or backward: wait for its params (fetching them now if no
+        prefetch did), then start fetching the unit that came after u last time in this pass."""
         if u.held is not None:  # inside gathered(): the unit stays as it is
             return
+        order = self.bwd_order if self.in_backward else self.fwd_order
         self._fetch(u).wait()
         u.mark(released=False)
         if u not in order:
@@ -207,14 +196,19 @@ class Engine:
         release_params(u.flat)
         u.pending = None
 
-    def _after_forward(self, u, out):
+    def _after_forward(self, u, module, args, out):
         if self.in_backward:  # a recomputation (activation checkpointing): backward still needs
             return            # the unit; it is released once its gradients are reduced
         if torch.is_grad_enabled():  # gather again when backward reaches this unit's outputs
             for t in tensors(out):
                 if t.requires_grad:
-                    t.register_hook(_regather_hook(weakref.ref(self), u))
+                    t.register_hook(_hook(weakref.ref(self), "_gather", u))
         self._release(u)
+
+    def _eval_done(self, *_):
+        """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
+        if not torch.is_grad_enabled():
+            self._release_all()
 
     def _release_all(self):
         for u in self.units:
@@ -257,12 +251,10 @@ class Engine:
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
         mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
-        if self.disk is None:
-            u.master.copy_(mine)
-        else:  # the state is read back too: a unit's slot is written whole
-            state = self.optimizer_state(u)
-            state["master"].copy_(mine)
-            self.set_optimizer_state([(u, state)])
+        state = read_state(self, u)  # (from disk: a copy, written back whole: a slot is written whole)
+        state["master"].copy_(mine)
+        if self.disk is not None:
+            write_state(self, [(u, state)])
         if u.shard is not None and u.shard is not u.master:
             u.shard.copy_(mine)
         elif u.shard is None and full is not u.flat:
@@ -312,8 +304,7 @@ class Engine:
         of it, and when the rest goes, is the stage's (reduce_grads, ddp_reduce)."""
         bucket = self._bucket(u)
         for i in set(range(len(u.params))) - u.arrived:  # no gradient here: zero, as in DDP
-            o = u.offsets[i]
-            bucket[o:o + u.params[i].numel()].zero_()
+            bucket[u.offsets[i]:u.offsets[i] + u.params[i].numel()].zero_()
         local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
         self._log(u, 1)
@@ -447,49 +438,16 @@ class Engine:
     def full_state_dict(self):
         """Collective. {name: fp32 tensor} for every name of model.state_dict(): tied
         names, frozen parameters and buffers included, so a fresh model loads it strictly."""
-        values = {}
         self._drain()
-        for u in self.units:
-            master = self.optimizer_state(u, master_only=True)["master"].to(self.device)
-            full = all_gather(master, self.comm, kind="state_dict") if self.sharded["optimizer"] else master
-            for p, o in zip(u.params, u.offsets):
-                values[id(p)] = full[o:o + p.numel()].view(p.shape)
-        out = {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            v = values[id(t)] if id(t) in values else t.detach()  # (a released param: never read)
-            out[name] = (v.float() if v.is_floating_point() else v).clone()
-        return out
-
-    def frozen(self):
-        """{name: tensor} of the model's state that is not a trainable parameter."""
-        trainable = {id(p) for u in self.units for p in u.params}
-        return {n: t for n, t in self.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+        return checkpoint.full_state_dict(self)
 
     def memory(self):
-        """Bytes of the model state this rank holds on its device at a step's update, by
-        category (what is offloaded, offloaded() counts). Stages 2-3's reduced gradient
-        shards live only from a step's first reduction to its update: between steps, count
-        the ones the next step makes."""
-        params = grads = opt = 0
-        own = self.dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
-        for u in self.units:
-            params += _nbytes(self.device, u.shard if self.sharded["params"] else u.flat)
-            if not self.sharded["grads"]:
-                grads += _nbytes(self.device, u.grad)
-            else:
-                grads += _nbytes(self.device, u.reduced) if u.reduced is not None else \
-                    u.shard_size * self.reduce_dtype.itemsize
-            opt += _nbytes(self.device, *(u.state or {}).values(), u.master if own else None)
-        return {"params": params, "grads": grads, "optimizer": opt}
+        """Bytes of model state this rank holds on its device at a step's update, by category."""
+        return held_bytes(self.units, self.device, self.sharded, self.dtype, self.reduce_dtype)
 
     def offloaded(self):
-        """{where: bytes} of this rank's model state kept off its device: "cpu" (host
-        memory) or "disk" (the files hold two slots: twice this)."""
-        out = {"disk": self.disk.nbytes()} if self.disk else {}
-        host = sum(_nbytes(torch.device("cpu"), u.master, *(u.state or {}).values(), u.shard) for u in self.units)
-        if self.device.type != "cpu" and host:
-            out["cpu"] = host
-        return out
+        """{where: bytes} of this rank's model state off its device: "cpu", or "disk" (files: twice this)."""
+        return offloaded_held(self.units, self.device, self.disk)
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""
@@ -497,37 +455,14 @@ class Engine:
 
     def formula(self, offloaded=False, sent=False):
         """What memory() (offloaded=True: offloaded(); sent=True: the bytes one step sends,
-        by the ledger's kinds) must be: minizero's formulas."""
-        layout, state = (self.numel(), self.comm.world_size, self.stage, self.dtype), self.state_numel()
+        by the ledger's kinds) must be: minizero's formulas, for this layout and optimizer."""
+        layout, state = (self.numel(), self.comm.world_size, self.stage, self.dtype), state_numel(self.units)
         if sent:
-            whole = {}
-            for u in self.units:
-                whole[u.whole] = whole.get(u.whole, 0) + u.padded
-            whole.pop(None, None)
-            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, whole)
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, whole_numel(self.units))
         if offloaded:
             return offloaded_bytes(*layout, self.offload, self.offload_params, state)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype, state)
 
-    def state_numel(self):
-        """fp32 elements of optimizer state this rank keeps beside the master (its layout's count)."""
-        return sum(n for u in self.units for n in u.sizes.values())
-
-    def optimizer_state(self, u, master_only=False):
-        """This rank's fp32 master and optimizer state of unit u (or the master only), as
-        {"master": ..., key: tensor} (from disk if they live there: a copy)."""
-        if self.disk is not None:
-            return self.disk.state(u.index, 1 if master_only else None)
-        return {"master": u.master} if master_only else {"master": u.master, **u.state}
-
-    def set_optimizer_state(self, states):
-        """(unit, {"master", key...}) pairs as this rank's optimizer state. On disk they go
-        to the other slots and count once all are written: a failed write changes nothing."""
-        if self.disk is not None:
-            return self.disk.put((u.index, state) for u, state in states)
-        for u, state in states:
-            for k, t in self.optimizer_state(u).items():
-                t.copy_(state[k])
 
     def save_checkpoint(self, path, meta=None):
         """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
@@ -550,11 +485,6 @@ class Engine:
                 self.disk.close()
 
 
-def _nbytes(device, *ts):
-    """Bytes of those of ts (None skipped) that live on device."""
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
-
-
 # the hooks autograd and the model call: each holds the engine weakly and finds it here
 
 
@@ -566,42 +496,6 @@ def _engine(ref):
     return engine
 
 
-def _grad_hook(ref, u, i):
-    return lambda p: _engine(ref)._on_grad(u, i, p)
-
-
-def _gather_hook(ref, u):
-    def hook(module, args):
-        engine = _engine(ref)
-        engine._gather(u, engine.bwd_order if engine.in_backward else engine.fwd_order)
-    return hook
-
-
-def _after_forward_hook(ref, u):
-    return lambda module, args, out: _engine(ref)._after_forward(u, out)
-
-
-def _regather_hook(ref, u):
-    def hook(grad):
-        engine = _engine(ref)
-        engine._gather(u, engine.bwd_order)
-    return hook
-
-
-def _before_forward_hook(ref):
-    return lambda module, args, kwargs: _engine(ref)._before_forward(args, kwargs)
-
-
-def _load_hook(ref):
-    """model.load_state_dict() would change the params but not the optimizer's master."""
-    def hook(module, *_):
-        if not _engine(ref).writing:
-            raise RuntimeError("load weights inside `with engine.gathered(writable=True):` (every rank "
-                               "enters it), so the optimizer's fp32 master takes them too; or use "
-                               "engine.load_checkpoint(), or load before you build the Engine")
-    return hook
-
-
-def _eval_done_hook(ref):
-    """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
-    return lambda *_: None if torch.is_grad_enabled() else _engine(ref)._release_all()
+def _hook(ref, method, *bound):
+    """A hook that calls engine.method(*bound, *the hook's arguments)."""
+    return lambda *args: getattr(_engine(ref), method)(*bound, *args)

@@ -61,10 +61,11 @@ def default_units(model):
     return [model] + [m for ml in model.modules() if isinstance(ml, nn.ModuleList) for m in ml]
 
 
-def group_params(model, units):
+def group_params(model, units, sharded_params=False):
     """Give each trainable parameter to the innermost unit that holds it, once (a tied
     parameter goes to the first unit that registers it). Returns, per unit, its
-    [(name, param)] in registration order, and the ties that cross units."""
+    [(name, param)] in registration order. Stage 3 gathers one unit at a time: there a
+    tie across units is an error."""
     index = {}
     for i, m in enumerate(units):
         if id(m) in index:
@@ -95,7 +96,10 @@ def group_params(model, units):
     strangers = [type(m).__name__ for m in units if id(m) not in seen]
     if strangers:
         raise ValueError(f"units lists modules that are not part of the model: {strangers}")
-    return groups, cross
+    if cross and sharded_params:
+        raise ValueError(f"{cross[0][0]} and {cross[0][1]} are one parameter tied across two units; stage 3 "
+                         f"gathers one unit at a time, so put both modules in one unit (units=...) or use stage 0-2")
+    return groups
 
 
 def meta_owners(model, init):
@@ -218,6 +222,22 @@ class Unit:
         """Stage 3: say whether the parameters may be read now."""
         for p in self.params:
             p.zero_released = released
+
+
+def check_engine_args(model, stage, dtype, grad_accum):
+    """Engine(...) arguments that cannot work: a ValueError naming the fix."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
+    devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    if len(devices) > 1:
+        raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
+                         f"move the model to one device (model.to(device)) first")
 
 
 def check_same_model(model, comm):
@@ -445,6 +465,50 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     if whole and sharded(stage)["optimizer"]:
         out["optimizer"] = sum(per(n, GATHERED[k]) for k, n in whole.items())
     return out
+
+
+def state_numel(units):
+    """fp32 elements of optimizer state the units keep beside the master (their layouts' count)."""
+    return sum(n for u in units for n in u.sizes.values())
+
+
+def whole_numel(units):
+    """{"muon" or "adafactor": Ψ of the units whose update reads whole tensors}."""
+    out = {}
+    for u in units:
+        if u.whole:
+            out[u.whole] = out.get(u.whole, 0) + u.padded
+    return out
+
+
+def held_bytes(units, device, sharded, dtype, reduce_dtype):
+    """Measured: bytes of model state the units hold on `device` at a step's update, by
+    category. Stages 2-3's reduced gradient shards live only from a step's first reduction
+    to its update: between steps, count the ones the next step makes."""
+    params = grads = opt = 0
+    own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
+    for u in units:
+        params += _nbytes(device, u.shard if sharded["params"] else u.flat)
+        if not sharded["grads"]:
+            grads += _nbytes(device, u.grad)
+        else:
+            grads += _nbytes(device, u.reduced) if u.reduced is not None else u.shard_size * reduce_dtype.itemsize
+        opt += _nbytes(device, *(u.state or {}).values(), u.master if own else None)
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def offloaded_held(units, device, disk):
+    """Measured: {where: bytes} of the units' state kept off `device`: "cpu" or "disk"."""
+    out = {"disk": disk.nbytes()} if disk else {}
+    host = sum(_nbytes(torch.device("cpu"), u.master, *(u.state or {}).values(), u.shard) for u in units)
+    if device.type != "cpu" and host:
+        out["cpu"] = host
+    return out
+
+
+def _nbytes(device, *ts):
+    """Bytes of those of ts (None skipped) that live on device."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
 
 
 def peak_memory(device):

@@ -16,12 +16,13 @@ the process's memory. They are removed by Engine.close(), when the engine is col
 and at normal interpreter exit.
 """
 import os
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from minizero import gather_whole, share_params
+from minizero import Place, gather_whole, share_params
 from ops import all_gather
 from optimizers import runs, update
 
@@ -40,6 +41,17 @@ def check_offload(stage, offload, offload_dir, offload_params):
     if offload == "disk" and not offload_dir:
         raise ValueError("offload='disk' needs offload_dir=, a directory on the disk the optimizer "
                          "state should live on (AdamW needs 24 bytes per parameter / world size)")
+
+
+def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
+    """Where the units' state lives (minizero.Place), its disk files made if on disk. On a
+    CPU run, offload to "cpu" moves nothing: say so once, and change nothing."""
+    if device.type == "cpu" and (offload == "cpu" or offload_params):
+        warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
+                      "so nothing moves; offload='disk' is the one that frees RAM here")
+        offload, offload_params = (None if offload == "cpu" else offload), False
+    return Place(offload or "device", "cpu" if offload_params else "device", pin_memory and device.type == "cuda",
+                 DiskState(offload_dir, tag) if offload == "disk" else None)
 
 
 class DiskState:

@@ -14,6 +14,7 @@ import textwrap
 import pytest
 import torch
 
+import checkpoint
 import cli
 import minizero
 import offload
@@ -104,7 +105,7 @@ def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
                 engine.backward(m(*micro[comm.rank]))
             return engine.step()
         step(0)
-        before = engine.full_state_dict(), [engine.optimizer_state(u)["v"].clone() for u in engine.units], \
+        before = engine.full_state_dict(), [checkpoint.read_state(engine, u)["v"].clone() for u in engine.units], \
             [list(u.steps) for u in engine.units], engine.t
         full["on"] = True
         comm_error = None
@@ -113,7 +114,7 @@ def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
         except RuntimeError as e:
             comm_error = str(e)
         full["on"] = False
-        after = engine.full_state_dict(), [engine.optimizer_state(u)["v"] for u in engine.units], \
+        after = engine.full_state_dict(), [checkpoint.read_state(engine, u)["v"] for u in engine.units], \
             [list(u.steps) for u in engine.units], engine.t
         assert_same(before[0], after[0])
         assert all(torch.equal(a, b) for a, b in zip(before[1], after[1])) and before[2:] == after[2:]
