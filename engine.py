@@ -207,8 +207,7 @@ class Engine:
 
     def _eval_done(self, *_):
         """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
-        if not torch.is_grad_enabled():
-            self._release_all()
+        return None if torch.is_grad_enabled() else self._release_all()
 
     def _release_all(self):
         for u in self.units:
