@@ -21,10 +21,10 @@ import checkpoint
 from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
-                      sharded, state_numel, tensors, whole_numel, zero_update)
+                      sharded, tensors, zero_update)
 from checkpoint import read_state, write_state
 from offload import check_offload, disk_update, placement
-from optimizers import Hyper, choose_updates, optimizer_options, runs
+from optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
 from ops import Pending, all_gather, broadcast
 
 

@@ -21,9 +21,10 @@ rank keeps (Ψ = parameter count):
     3       1/N     1/N    1/N         all-gather fwd + bwd + reduce-scatter       3Ψ
 
 Gradients are always reduced with the same ring reduce-scatter (ops.py), so the reduced
-gradient shard is the same bits in every stage; AdamW is elementwise, so updating a shard
-gives the same bits as updating the whole buffer. Hence every stage is bit-identical to
-DDP. DESIGN.md has the whole argument.
+gradient shard is the same bits in every stage; AdamW and SGD are elementwise, so updating
+a shard gives the same bits as updating the whole buffer, and Muon and Adafactor gather the
+whole tensors they read (optimizers.py). Hence every stage is bit-identical to DDP.
+DESIGN.md has the whole argument.
 """
 import dataclasses
 import math
@@ -37,7 +38,7 @@ import torch.nn as nn
 
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
-from optimizers import WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401  (minizero.Hyper, runs)
+from optimizers import GATHERED, WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401  (minizero.Hyper, runs)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -174,9 +175,9 @@ class Unit:
         self.kinds = kinds                          # per parameter: the update it gets (optimizers.py)
         self.keys = [state_keys(k, p.shape, options) for k, p in zip(kinds, self.params)]  # ...its state's keys
         self.whole = next((k for k in kinds if k in WHOLE), None)  # an update that reads whole tensors, if any
-        lo = r * self.shard_size if sharded["optimizer"] else 0
-        self.pieces, self.sizes = state_layout(self.offsets, [p.shape for p in self.params], kinds, self.keys, lo,
-                                          lo + (self.shard_size if sharded["optimizer"] else self.padded))  # my range's pieces, state sizes
+        lo, hi = (r * self.shard_size, (r + 1) * self.shard_size) if sharded["optimizer"] else (0, self.padded)
+        self.pieces, self.sizes = state_layout(self.offsets, [p.shape for p in self.params], kinds, self.keys,
+                                               lo, hi)  # my range's parameters, and my state's size per key
         self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
         for p, o in zip(self.params, self.offsets):
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
@@ -299,9 +300,8 @@ def ddp_update(flat, master, state, full_grad, steps, hp, whole=None):
 
 
 def zero_update(master, state, reduced, steps, hp, comm, flat, shard, whole=None):
-    """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state
-    (Muon and Adafactor all-gather what they read of whole tensors: gather_whole), then
-    shares it (share_params)."""
+    """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state (what
+    Muon and Adafactor read of whole tensors gathered: gather_whole), then shares it."""
     update(master, state, reduced, steps, hp, whole, gather_whole(comm, flat.device) if whole else None)
     share_params(master, comm, flat, shard)
 
@@ -411,21 +411,13 @@ def clip_coef(grad_shards, max_norm, comm):
 # 3. the formulas
 
 
-STATE_PER_PARAM = {"adamw": 2, "sgd": 1, "muon": 1, "adafactor": 0}  # the planner's fp32 state elements per
-# parameter beside the master: AdamW's m and v; SGD's momentum (0 without); Muon's momentum (the
-# AdamW params beside it keep 2: Engine.formula counts its layout exactly); Adafactor's rows and
-# columns (a matrix's R + C of its R·C, a vector's whole: the planner counts 0)
-GATHERED = {"muon": 2, "adafactor": 8}  # bytes per element a whole-tensor update all-gathers (optimizers.py)
-
-
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
                       reduce_dtype=None, state=None):
-    """Bytes of model state resident per rank, for numel (padded) parameters. Params and
-    grads in the compute dtype; the optimizer's fp32 master (with fp32 compute the params
-    are the master) and its state: `state` fp32 elements per rank (default AdamW's m and v,
-    2Ψ cut like master: 16-bit AdamW keeps 2 + 2 + 12 bytes per parameter). Each is cut N
-    ways once it is sharded; a sharded grad is the reduced shard, in reduce_dtype.
-    Offloaded state (offloaded_bytes) is not resident: 0 here."""
+    """Bytes of model state resident per rank, for numel (padded) parameters: params and
+    grads in the compute dtype; the fp32 master (fp32 compute: the params are it) and the
+    optimizer's `state` fp32 elements per rank (default AdamW's m and v, cut like master:
+    16-bit AdamW keeps 2 + 2 + 12 bytes per parameter). Each is cut N ways once sharded; a
+    sharded grad is the reduced shard, in reduce_dtype. Offloaded state: 0 here."""
     d = torch.finfo(dtype).bits // 8
     g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
     cut = {k: world_size if c else 1 for k, c in sharded(stage).items()}
@@ -464,20 +456,6 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     out = {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
     if whole and sharded(stage)["optimizer"]:
         out["optimizer"] = sum(per(n, GATHERED[k]) for k, n in whole.items())
-    return out
-
-
-def state_numel(units):
-    """fp32 elements of optimizer state the units keep beside the master (their layouts' count)."""
-    return sum(n for u in units for n in u.sizes.values())
-
-
-def whole_numel(units):
-    """{"muon" or "adafactor": Ψ of the units whose update reads whole tensors}."""
-    out = {}
-    for u in units:
-        if u.whole:
-            out[u.whole] = out.get(u.whole, 0) + u.padded
     return out
 
 

@@ -124,6 +124,29 @@ def state_layout(offsets, shapes, kinds, keys, lo, hi):
     return pieces, sizes
 
 
+# the formulas' part (minizero.py): the planner's fp32 state elements per parameter beside the master
+# (AdamW's m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it keep
+# 2: Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here), and the
+# bytes per element a whole-tensor update all-gathers (update)
+STATE_PER_PARAM = {"adamw": 2, "sgd": 1, "muon": 1, "adafactor": 0}
+GATHERED = {"muon": 2, "adafactor": 8}
+
+
+def state_numel(units):
+    """fp32 elements of optimizer state the units keep beside the master (their layouts' count)."""
+    return sum(n for u in units for n in u.sizes.values())
+
+
+def whole_numel(units):
+    """{"muon" or "adafactor": Ψ of the units whose update reads whole tensors}."""
+    out = {}
+    for u in units:
+        if u.whole:
+            out[u.whole] = out.get(u.whole, 0) + u.padded
+    return out
+
+
+
 class Hyper(NamedTuple):
     """One step's hyperparameters, and what turns the reduced gradient sum into the mean
     gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
