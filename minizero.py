@@ -477,11 +477,8 @@ def held_bytes(units, device, sharded, dtype, reduce_dtype):
 
 def offloaded_held(units, device, disk):
     """Measured: {where: bytes} of the units' state kept off `device`: "cpu" or "disk"."""
-    out = {"disk": disk.nbytes()} if disk else {}
     host = sum(_nbytes(torch.device("cpu"), u.master, *(u.state or {}).values(), u.shard) for u in units)
-    if device.type != "cpu" and host:
-        out["cpu"] = host
-    return out
+    return {**({"disk": disk.nbytes()} if disk else {}), **({"cpu": host} if device.type != "cpu" and host else {})}
 
 
 def _nbytes(device, *ts):
