@@ -43,22 +43,28 @@ def train(comm, stage, model, batches, engine_kw, save_after=None, load=None, pa
 
 
 def logical(path):
-    """The unpadded fp32 master, m and v of every parameter in a checkpoint."""
-    return {n: {k: v[k] for k in ("master", "m", "v")} for n, v in minizero.read_checkpoint(path)[1].items()}
+    """The unpadded fp32 master and optimizer state (by key) of every parameter in a checkpoint."""
+    return {n: {k: v[k] for k in ("master", *v["state"])} for n, v in minizero.read_checkpoint(path)[1].items()}
 
 
-def case(dtype, grad_accum=1, steps=4, world_size=3):
+OPTIMIZERS = {"adamw": {}, "sgd": dict(optimizer="sgd", momentum=0.9), "muon": dict(optimizer="muon", muon_lr=0.02),
+              "adafactor": dict(optimizer="adafactor")}  # Muon's and Adafactor's state: not cut like master
+
+
+def case(dtype, grad_accum=1, steps=4, world_size=3, optimizer="adamw"):
     c = dict(FIXED[0], dtype=DTYPES[dtype], steps=steps, world_size=world_size, grad_accum=grad_accum)
-    c["engine"] = dict(FIXED[0]["engine"], dtype=c["dtype"], grad_accum=grad_accum)
+    c["engine"] = dict(FIXED[0]["engine"], dtype=c["dtype"], grad_accum=grad_accum, **OPTIMIZERS[optimizer])
     return c
 
 
 @settings(deadline=None)
 @given(stage=st.integers(0, 3), world_size=st.integers(1, 4), before=st.integers(1, 2),
-       after=st.integers(1, 2), dtype=st.sampled_from(list(DTYPES)), grad_accum=st.integers(1, 2))
-def test_resume_equals_uninterrupted(tmp_path_factory, stage, world_size, before, after, dtype, grad_accum):
+       after=st.integers(1, 2), dtype=st.sampled_from(list(DTYPES)), grad_accum=st.integers(1, 2),
+       optimizer=st.sampled_from(list(OPTIMIZERS)))
+def test_resume_equals_uninterrupted(tmp_path_factory, stage, world_size, before, after, dtype, grad_accum,
+                                     optimizer):
     path = str(tmp_path_factory.mktemp("ckpt"))
-    c = case(dtype, grad_accum, before + after, world_size)
+    c = case(dtype, grad_accum, before + after, world_size, optimizer)
     model, batches = make(c)
     whole = ops.run_threads(train, world_size, stage, model, batches, c["engine"], before - 1, None, path)
     resumed = ops.run_threads(train, world_size, stage, model, batches[before:], c["engine"], None, True, path)
@@ -69,14 +75,16 @@ def test_resume_equals_uninterrupted(tmp_path_factory, stage, world_size, before
 
 @settings(deadline=None, max_examples=20)
 @given(stage=st.integers(0, 3), world_size=st.integers(1, 4), new_stage=st.integers(0, 3),
-       new_world_size=st.integers(1, 4), dtype=st.sampled_from(list(DTYPES)))
+       new_world_size=st.integers(1, 4), dtype=st.sampled_from(list(DTYPES)),
+       optimizer=st.sampled_from(list(OPTIMIZERS)))
 def test_reshard_to_another_world_size_and_stage(tmp_path_factory, stage, world_size, new_stage,
-                                                  new_world_size, dtype):
+                                                  new_world_size, dtype, optimizer):
     """Save at N ranks and stage s; load at M ranks and stage t: the loaded state is the
-    saved state exactly (saved again at once, it reads back the same), and training on
-    equals an M-rank stage-0 run from that state, bit for bit."""
+    saved state exactly (saved again at once, it reads back the same: Adafactor's whole
+    rows and columns too), and training on equals an M-rank stage-0 run from that state,
+    bit for bit."""
     first, second = str(tmp_path_factory.mktemp("a")), str(tmp_path_factory.mktemp("b"))
-    c = case(dtype, steps=2, world_size=world_size)
+    c = case(dtype, steps=2, world_size=world_size, optimizer=optimizer)
     model, batches = make(c)
     saved = ops.run_threads(train, world_size, stage, model, batches, c["engine"], 1, None, first)[0][-1]
     # load at M ranks and stage t, save again before any step: the same logical state
@@ -133,6 +141,20 @@ def load_into(model, c, path, stage=2, world_size=3):
 
 def shard_files(path):
     return sorted(f for f in os.listdir(path) if f.startswith("shard-"))
+
+
+def test_checkpoint_of_another_optimizer(saved):
+    """Another optimizer's state never loads as this one's: the error names both."""
+    path, c, model, *_ = saved
+    for other, says in [(dict(optimizer="muon"), "saved with optimizer 'adamw', and this engine trains with 'muon'"),
+                        (dict(optimizer="sgd", momentum=0.9), "with optimizer 'adamw'.*'sgd'")]:
+        with pytest.raises(RuntimeError, match=says):
+            load_into(model, dict(c, engine=dict(c["engine"], **other)), path)
+    sgd = str(os.path.join(path, "sgd"))
+    c_sgd = dict(c, engine=dict(c["engine"], optimizer="sgd", momentum=0.9))
+    ops.run_threads(train, 3, 2, model, saved[3][:1], c_sgd["engine"], 0, None, sgd)
+    with pytest.raises(RuntimeError, match="by sgd with state \\['momentum_buffer'\\] there, and by sgd with \\[\\] here"):
+        load_into(model, dict(c, engine=dict(c["engine"], optimizer="sgd")), sgd)  # momentum 0: no buffer
 
 
 def test_truncated_shard(saved):
