@@ -2,6 +2,7 @@
 The command line of `python minizero.py` (train_gpt.py has its own):
 
     python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB] [--offload disk]
+                       [--optimizer adamw|sgd|muon|adafactor]
     python minizero.py consolidate CHECKPOINT_DIR OUT.pt
     python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] [--processes] ...
 
@@ -17,7 +18,8 @@ import time
 import torch
 
 import checkpoint
-from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
+from optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
 
@@ -36,9 +38,12 @@ def main(argv):
                                          "also print the largest model per stage")
         ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
                                                                    "(stages 1-3): print what stays resident")
+        ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                        help="its state per parameter beside the fp32 master: AdamW m, v; SGD (with momentum) and "
+                             "Muon a momentum; Adafactor's factored rows and columns, counted as 0")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
-        print("\n".join(plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload)))
+        print("\n".join(plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload, a.optimizer)))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -48,8 +53,9 @@ def main(argv):
 # the planner: minizero.py's formulas as a table
 
 
-def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
-    """Lines of the planner's table, from the same formulas the tests hold the engine to."""
+def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, optimizer="adamw"):
+    """Lines of the planner's table, from the same formulas the tests hold the engine to
+    (the optimizer's state: STATE_PER_PARAM fp32 elements per parameter)."""
     if not (math.isfinite(params) and params >= 1):
         raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
     if world_size < 1:
@@ -58,23 +64,27 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
         raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
     rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
+    k, whole = STATE_PER_PARAM[optimizer], {optimizer: numel} if optimizer in GATHERED else None
     for stage in range(4):
         off = offload if stage else None  # stage 0 keeps the whole state on the device
-        b = model_state_bytes(numel, world_size, stage, dtype, off)
-        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype).values())
+        state = lambda n: k * n // (world_size if sharded(stage)["optimizer"] else 1)  # noqa: E731
+        b = model_state_bytes(numel, world_size, stage, dtype, off, state=state(numel))
+        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype, whole=whole).values())
         gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
-        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off).values())] if offload else []
+        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off, state=state(numel)).values())] \
+            if offload else []
         rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
         if memory:
-            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype, off).values()) / world_size
+            per_param = sum(model_state_bytes(world_size, world_size, stage, dtype, off,
+                                              state=state(world_size)).values()) / world_size
             rows[-1].append(f"{memory / per_param:.3g} parameters")
     if memory:
         rows[0].append("largest model that fits")
     cols = 7 if offload else 6
     widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]  # so that numbers never run together
-    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute "
+    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute, {optimizer} "
              f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
-             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master, m, v in {offload} "
+             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master and state in {offload} "
                 f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
     return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
                       + "".join("  " + c for c in r[cols:]) for r in rows]

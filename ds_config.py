@@ -6,6 +6,8 @@ is an error that names it, never silently ignored.
 import json
 
 OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "disk"}  # offload_optimizer.device -> Engine(offload=...)
+OPTIMIZER = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor", "muon": "muon"}  # optimizer.type,
+# lower-cased -> Engine(optimizer=...)
 _num = lambda v: type(v) in (int, float) and v >= 0  # noqa: E731 (bool is no number here)
 _int = lambda v: type(v) is int and v >= 1  # noqa: E731
 DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, check, what it must be)
@@ -16,12 +18,13 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
     "train_batch_size": ("global_batch", _int, "an integer >= 1"),
     "train_micro_batch_size_per_gpu": ("batch_size", _int, "an integer >= 1"),
     "gradient_clipping": ("clip", _num, "a number >= 0 (0: no clipping)"),
-    "optimizer.type": ("optimizer", lambda v: str(v).lower() in ("adamw", "adam"), "AdamW (minizero's only optimizer)"),
+    "optimizer.type": ("optimizer", lambda v: str(v).lower() in OPTIMIZER, "AdamW, Adam, SGD, Adafactor or Muon"),
     "optimizer.params.lr": ("lr", _num, "a number >= 0"),
     "optimizer.params.betas": ("betas", lambda v: type(v) in (list, tuple) and len(v) == 2 and all(map(_num, v)),
                                "a pair of numbers"),
     "optimizer.params.eps": ("eps", _num, "a number >= 0"),
     "optimizer.params.weight_decay": ("weight_decay", _num, "a number >= 0"),
+    "optimizer.params.momentum": ("momentum", _num, "a number >= 0"),
     "zero_optimization.offload_optimizer.device": ("offload", lambda v: isinstance(v, str) and v in OFFLOAD,
                                                    "'none', 'cpu' or 'nvme'"),
     "zero_optimization.offload_optimizer.nvme_path": ("offload_dir", lambda v: isinstance(v, str) and v,
@@ -55,7 +58,9 @@ def parse_ds_config(ds):
         out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
     if "offload" in out:  # DeepSpeed's NVMe offload is minizero's disk offload
         out["offload"] = OFFLOAD[out["offload"]]
-    return {k: v for k, v in out.items() if k not in ("bf16", "fp16", "optimizer")}
+    if "optimizer" in out:  # (Adam is trained as AdamW: decoupled decay, as the demo always had it)
+        out["optimizer"] = OPTIMIZER[str(out["optimizer"]).lower()]
+    return {k: v for k, v in out.items() if k not in ("bf16", "fp16")}
 
 
 def read_json(path):

@@ -262,3 +262,16 @@ def test_pip_install_ships_every_module_the_library_imports():
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
                    {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert imported & local <= listed, f"{name}.py imports {sorted(imported & local - listed)}: add to py-modules"
+
+
+@pytest.mark.parametrize("optimizer, k, gathered", [("adamw", 12, 0), ("sgd", 8, 0), ("muon", 8, 2), ("adafactor", 4, 8)])
+def test_planner_optimizers(capsys, optimizer, k, gathered):
+    """Bytes per parameter beside params and grads in 16-bit: the fp32 master and the state
+    (AdamW 12, SGD with momentum and Muon 8, Adafactor's factored moments counted 0: 4);
+    Muon and Adafactor all-gather what they read of whole tensors at stages 1-3."""
+    cli.main(["--params", "1e9", "--world-size", "10", "--optimizer", optimizer])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [float(r[3]) for r in rows] == [k, k / 10, k / 10, k / 10]  # GB of optimizer per rank, 1e9 params
+    sent = [float(r[5]) for r in rows]
+    assert [round(b - a, 2) for a, b in zip(sent[:1] * 4, sent)][1:] == [round(x, 2) for x in (
+        0.9 * gathered, 0.9 * gathered, 0.9 * gathered + 1.8)]  # stage 3 also gathers params twice

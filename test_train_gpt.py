@@ -20,7 +20,9 @@ def test_ds_config_maps_to_overrides():
           "optimizer": {"type": "AdamW", "params": {"lr": 6e-4, "betas": [0.9, 0.95], "eps": 1e-8,
                                                     "weight_decay": 0.1}}}
     assert ds_config.parse_ds_config(ds) == dict(stage=2, dtype="bfloat16", grad_accum=4, batch_size=8, clip=0.5,
-                                          lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+                                          optimizer="adamw", lr=6e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    assert ds_config.parse_ds_config({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}) == \
+        dict(optimizer="sgd", momentum=0.9)
     assert ds_config.parse_ds_config({}) == {}
     assert ds_config.parse_ds_config({"fp16": {"enabled": True}}) == {"dtype": "float16"}
     assert ds_config.parse_ds_config({"bf16": {"enabled": False}}) == {"dtype": "float32"}
@@ -43,7 +45,7 @@ def test_ds_config_unknown_key_is_named(ds, key):
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": -1}}, "zero_optimization.stage"),
     ({"zero_optimization": {"stage": "3"}}, "zero_optimization.stage"),
-    ({"optimizer": {"type": "SGD"}}, "optimizer.type"),
+    ({"optimizer": {"type": "LAMB"}}, "optimizer.type"),
     ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps"),
     ({"bf16": True}, "bf16"),
 ])

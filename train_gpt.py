@@ -3,6 +3,7 @@ Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in
 
     python train_gpt.py                          # 2 local CPU ranks (gloo), ZeRO stage 3
     python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16
+    python train_gpt.py --optimizer muon         # or sgd, adafactor (default adamw)
     torchrun --nproc-per-node 8 train_gpt.py --preset gpt2 --config ds_config.json
 
 Data needs no download: byte-level tokens (vocab 256) of the Python standard library's
@@ -196,7 +197,12 @@ DEFAULTS = dict(
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True,
+    optimizer="adamw", muon_lr=0.02, momentum=None,
 )
+OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
+    "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
+    "adafactor": dict(lr=1e-2, min_lr=1e-3),
+}
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -223,16 +229,21 @@ def parse_args(argv=None):
     opt("--native", None, "torch's own collectives instead of the ring; None: on under torchrun on GPUs",
         action=argparse.BooleanOptionalAction)
     opt("--preset", str, "", choices=list(PRESETS))
+    opt("--optimizer", str, "Muon on the blocks' Linear weights and AdamW on the rest; SGD with momentum",
+        choices=["adamw", "sgd", "adafactor", "muon"])
+    opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
+    opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {})}
-    if given.get("config"):
-        cfg.update(parse_ds_config(read_json(given["config"])))
-    return {**cfg, **given}
+    ds = parse_ds_config(read_json(given["config"])) if given.get("config") else {}
+    cfg.update(OPTIMIZER_DEFAULTS.get(given.get("optimizer", ds.get("optimizer")), {}))
+    return {**cfg, **ds, **given}
 
 
 AT_LEAST = dict(world_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1,
-                eval_interval=1, eval_iters=1, steps=0, warmup=0, sample_tokens=0, lr=0, min_lr=0, clip=0)
+                eval_interval=1, eval_iters=1, steps=0, warmup=0, sample_tokens=0, lr=0, min_lr=0, clip=0,
+                muon_lr=0, momentum=0)
 
 
 def check_config(cfg):
@@ -296,12 +307,21 @@ def check_resume(out_dir, steps):
 # training
 
 
-def get_lr(step, c):
-    """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT)."""
+def get_lr(step, c, lr=None, min_lr=None):
+    """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT); of c.lr, or of lr."""
+    lr, min_lr = (c.lr, c.min_lr) if lr is None else (lr, min_lr)
     if step < c.warmup:
-        return c.lr * (step + 1) / (c.warmup + 1)
+        return lr * (step + 1) / (c.warmup + 1)
     ratio = (step - c.warmup) / max(1, c.steps - c.warmup)
-    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (c.lr - c.min_lr)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (lr - min_lr)
+
+
+def optimizer_options(c):
+    """Engine options of --optimizer: AdamW's betas and eps (also Muon's AdamW), Muon's muon_lr, the momentum."""
+    adamw = dict(betas=tuple(c.betas), eps=c.eps)
+    momentum = {} if c.momentum is None else dict(momentum=c.momentum)
+    return {"adamw": adamw, "muon": dict(adamw, muon_lr=c.muon_lr, **momentum), "sgd": momentum,
+            "adafactor": {}}[c.optimizer]
 
 
 def fmt_bytes(n):
@@ -332,18 +352,18 @@ def train(comm, cfg):
     gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias)
     model = GPT(gcfg, torch.Generator().manual_seed(c.seed)).to(device)  # the same on every rank
     n_params = model.num_params()
-    engine = minizero.Engine(model, comm, c.stage, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
-                             weight_decay=c.weight_decay, decay=lambda name, p: p.dim() >= 2,
-                             dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None, offload=c.offload,
-                             offload_dir=c.offload_dir, pin_memory=c.pin_memory)
-    log(f"{N} ranks, ZeRO stage {c.stage}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
+    engine = minizero.Engine(model, comm, c.stage, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
+                             decay=lambda name, p: p.dim() >= 2, dtype=dtype, grad_accum=c.grad_accum,
+                             clip=c.clip or None, offload=c.offload, offload_dir=c.offload_dir,
+                             pin_memory=c.pin_memory, **optimizer_options(c))
+    log(f"{N} ranks, ZeRO stage {c.stage}, {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
         f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
     mem, formula = engine.memory(), engine.formula()
     for k in mem:
         log(f"  model state per rank, {k:9s}: {fmt_bytes(mem[k]):>12} measured, {fmt_bytes(formula[k]):>12} formula")
     for where, n in engine.offloaded().items():
         log(f"  offloaded per rank to {where:5s}: {fmt_bytes(n):>12} measured, "
-            f"{fmt_bytes(engine.formula(offloaded=True)[where]):>12} formula (the optimizer's fp32 master, m, v)")
+            f"{fmt_bytes(engine.formula(offloaded=True)[where]):>12} formula (the optimizer's fp32 master and state)")
 
     start = 0
     if c.resume:  # at any world size and stage: the engine re-cuts the saved vectors
@@ -372,6 +392,8 @@ def train(comm, cfg):
         if step == c.steps:
             break
         engine.lr = get_lr(step, c)
+        if c.optimizer == "muon":  # Muon's lr on the same schedule
+            engine.options["muon_lr"] = get_lr(step, c, c.muon_lr, c.min_lr / c.lr * c.muon_lr if c.lr else 0.0)
         sent_before = dict(comm.sent)
         if cuda:
             torch.cuda.synchronize()
