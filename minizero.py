@@ -308,8 +308,9 @@ def zero_update(master, state, reduced, steps, hp, comm, flat, shard, whole=None
 
 def gather_whole(comm, device):
     """What Muon and Adafactor read of whole tensors, all-gathered over the unit (each rank
-    sends (N-1)/N·Ψ_u of it, kind "optimizer"), back where the update runs."""
-    return lambda x: all_gather(x.to(device), comm, kind="optimizer").to(x.device)
+    sends (N-1)/N·Ψ_u of it, kind "optimizer"), on the device: offloaded or not, the
+    whole-tensor part runs where stage 0 runs it."""
+    return lambda x: all_gather(x.to(device), comm, kind="optimizer")
 
 
 def share_params(master, comm, flat, shard):

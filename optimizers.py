@@ -146,7 +146,6 @@ def whole_numel(units):
     return out
 
 
-
 class Hyper(NamedTuple):
     """One step's hyperparameters, and what turns the reduced gradient sum into the mean
     gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
@@ -201,23 +200,25 @@ def update(master, state, grad, steps, hp, whole=None, gather=None):
             c, d = p.at.get("momentum_buffer", (0, 0))
             x[p.a:p.b] = muon_momentum(state["momentum_buffer"][c:d] if d else None, g[p.a:p.b], o["momentum"],
                                        o["nesterov"])
-        full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
-        for p, t, wd in mine:
+        full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16 (offloaded: to the device, where
+        for p, t, wd in mine:  # stage 0 runs Newton-Schulz)
             n, w = math.prod(p.shape), p.lo - p.o  # w: where my range starts inside the parameter
             ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"], o["ns_steps"])
             master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
-            master[p.a:p.b].add_(ortho.reshape(-1)[w + p.a:w + p.b],
+            master[p.a:p.b].add_(ortho.reshape(-1)[w + p.a:w + p.b].to(master.device),
                                  alpha=-muon_lr(o["muon_lr"], o["adjust_lr_fn"], p.shape))
     elif whole == "adafactor":  # the whole gradient and params (before this step), fp32
         gs, ps = gather(g), gather(master)  # stages 1-3: each rank sends (N-1)/N·Ψ_u twice, fp32
-        for p, t, wd in steps:
+        for p, t, wd in steps:  # (offloaded: on the device, as stage 0, and the state back to the host)
             n, w = math.prod(p.shape), p.lo - p.o
-            s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
+            s = {k: state[k][c:d].to(gs.device) for k, (c, d) in p.at.items()}
             step, size = adafactor(ps[p.o:p.o + n].view(p.shape), gs[p.o:p.o + n].view(p.shape), s, t, hp.lr,
                                    o["beta2_decay"], *o["eps"], o["d"])
+            for k, (c, d) in p.at.items() if gs.device != master.device else ():
+                state[k][c:d].copy_(s[k])
             if wd:
                 master[p.a:p.b].mul_(1 - hp.lr * wd)
-            master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b], alpha=-size)
+            master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b].to(master.device), alpha=-size)
 
 
 def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
