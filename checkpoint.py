@@ -304,6 +304,11 @@ def validate_manifest(m, mpath):
             if not shape_ok or not 0 <= p["offset"] <= p["offset"] + math.prod(p["shape"]) <= u["numel"]:
                 raise bad(f"units[{i}].params[{j}] ({p['name']}) has shape {p['shape']} at offset "
                           f"{p['offset']}, outside its unit of {u['numel']} elements")
+            kind, keys = p.get("kind", "adamw"), p.get("state", ADAMW["state"])
+            if not isinstance(kind, str) or not isinstance(keys, dict) or \
+                    not all(v is None or type(v) is int and v >= 0 for v in keys.values()):
+                raise bad(f"units[{i}].params[{j}] ({p['name']}) has update {kind!r} and state {keys!r}; "
+                          f"a state is {{key: null (one value per element) or an element count}}")
 
 
 def _names(t):

@@ -243,6 +243,7 @@ DAMAGED = {
     "padding not a multiple": (lambda m: m["units"][0].update(padded=m["units"][0]["padded"] + 1),
                                "units[0].padded is"),
     "param outside its unit": (lambda m: m["units"][0]["params"][0].update(offset=10**6), "units[0].params[0]"),
+    "state not an object": (lambda m: m["units"][0]["params"][0].update(state=["m", "v"]), "has update 'adamw' and state"),
     "param without shape": (lambda m: m["units"][-1]["params"][0].pop("shape"), "params[0].shape is missing"),
 }
 
