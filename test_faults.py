@@ -100,7 +100,7 @@ def _raises_while_peer_sends(comm):
         raise KeyError("planted on rank 1")
     time.sleep(1.0)  # rank 1 has raised and left: the next send finds the connection closed
     for _ in range(200):
-        comm.isend(torch.ones(1), 1).wait()
+        comm.exchange(torch.ones(1), 1, None, None)
         time.sleep(0.01)
 
 

@@ -265,7 +265,7 @@ def test_mismatched_collectives_on_threads(case, native):
 def test_recv_timeout_on_threads():
     def fn(comm):
         if comm.rank == 1:
-            comm.recv(torch.empty(3), 0)  # rank 0 never sends
+            comm.exchange(None, None, torch.empty(3), 0)  # rank 0 never sends
 
     err = _expect_failure(lambda: ops.run_threads(fn, 2, timeout=1.0),
                           "rank 1 failed", "no message from rank 0 within 1.0s", within=10.0)
