@@ -138,7 +138,8 @@ def default_loss(model, batch):
 
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
-          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, **engine_kw):
+          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, strict_p2p=False,
+          **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -146,7 +147,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     grad_accum, clip, ...; units may be a function of the model). processes=True runs
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
-    with torch's deterministic algorithms, as equal bits need equal local compute."""
+    with torch's deterministic algorithms, as equal bits need equal local compute.
+    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
     device = torch.device(device or "cpu")
@@ -180,7 +182,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                                                         backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
                         runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
-                                                  timeout=timeout)
+                                                  timeout=timeout, strict_p2p=strict_p2p)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
                     row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
                     report.rows.append(row)
