@@ -161,6 +161,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine options to "
                              f"each rank, so they must be importable functions, not lambdas or locals: {e}")
+    if device.type == "cuda":  # before make_model may start cuBLAS
+        os.environ.setdefault(*CUBLAS)
     model = make_model()
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
@@ -198,14 +200,21 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     return report
 
 
+CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting, read when cuBLAS starts
+
+
 def _deterministic(device):
-    """On CUDA, switch on torch's deterministic kernels (some, like index_add, sum with
-    atomics in a different order each run); returns what puts the settings back."""
+    """On CUDA, torch's deterministic kernels only: some (index_add, ...) sum with atomics in
+    a different order each run, and a kernel with no deterministic version (flash attention's
+    backward) raises, naming itself, instead of letting the stages differ for a reason that is
+    not the engine's. cuBLAS reads its variable once, when it starts: check() sets it before
+    any CUDA work, in the parent before it spawns ranks (they inherit it), and each spawned
+    rank switches the kernels on before it builds its model. Returns what puts them back."""
     if device.type != "cuda":
         return lambda: None
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting
-    torch.use_deterministic_algorithms(True, warn_only=True)  # a kernel with no such version warns
+    os.environ.setdefault(*CUBLAS)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
@@ -217,6 +226,7 @@ def _rank(comm, stage, spec):
     if "model" in spec:  # threads: a copy of the one model
         model = copy.deepcopy(spec["model"]).to(comm.device)
     else:                # processes: build it, then take the parent's values
+        _deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
     kw = dict(spec["engine_kw"])

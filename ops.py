@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -149,6 +150,15 @@ class ThreadComm:
             self.world.barrier.wait(timeout=self.world.timeout)
         except threading.BrokenBarrierError:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
+
+
+def comm_thread(comm):
+    """One thread that runs a rank's communication jobs in order (the engine's overlap). On
+    a GPU it first makes the rank's device current: a new thread starts on device 0, where
+    its CUDA calls would make a context for every rank (and NCCL needs the right device)."""
+    cuda = comm.device.type == "cuda"
+    return ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}",
+                              initializer=torch.cuda.set_device if cuda else None, initargs=(comm.device,) if cuda else ())
 
 
 def _made(t):
