@@ -250,6 +250,21 @@ def test_consolidate_bad_paths_are_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "model.pt").exists()
 
 
+def test_gpu_check_cpu_mode_hides_the_gpus(tmp_path):
+    """`bash gpu_check.sh --cpu` must run on the CPU where a GPU is present too: every python
+    it starts sees no GPU (CUDA_VISIBLE_DEVICES=""). A stub python records what each saw."""
+    seen = tmp_path / "seen"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "[${{CUDA_VISIBLE_DEVICES-unset}}]" >> {seen}\n')
+    stub.chmod(0o755)
+    out = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--cpu"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHON": str(stub), "GPU_CHECK_LOGS": str(tmp_path / "logs"),
+                                          "CUDA_VISIBLE_DEVICES": "0"})
+    assert "gpu_check (cpu," in out.stdout
+    calls = seen.read_text().split()
+    assert len(calls) >= 5 and set(calls) == {"[]"}, calls  # torch's version, equivalence, 2 trainings, bench
+
+
 def test_pip_install_ships_every_module_the_library_imports():
     """`pip install .` (not -e) ships only pyproject's py-modules: a module they import that
     is missing there installs a minizero whose Engine fails to import."""
