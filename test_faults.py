@@ -250,6 +250,19 @@ def test_consolidate_bad_paths_are_one_line(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "model.pt").exists()
 
 
+def test_train_gpt_with_more_processes_than_gpus_is_one_line(monkeypatch, capsys):
+    """torchrun --nproc_per_node above the GPUs this node shows: LOCAL_RANK names none (torch.cuda mocked)."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as e:
+        tg.main(["--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train_gpt.py: error: LOCAL_RANK is 3 but this process sees 2 GPU(s)")
+
+
 def test_gpu_check_cpu_mode_hides_the_gpus(tmp_path):
     """`bash gpu_check.sh --cpu` must run on the CPU where a GPU is present too: every python
     it starts sees no GPU (CUDA_VISIBLE_DEVICES=""). A stub python records what each saw."""
