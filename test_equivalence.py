@@ -7,12 +7,14 @@ draws the models and worlds it is run on.
 Hypothesis draws the model (depth, widths smaller than and not divisible by the world
 size, bias, a tied pair, a frozen layer), the world size (1-5), steps, gradient
 accumulation, clipping, learning rate, weight decay, eps, compute dtype, overlap, random
-delays in the communication, and the optimizer state offloaded to disk. Ranks are threads, so hundreds of examples run in
-seconds; a few fixed cases rerun on real gloo processes and must give the same bits,
-and stage 0 is held against torch's DistributedDataParallel there.
+delays in the communication, the optimizer state offloaded to disk, and whether the
+thread ranks follow NCCL's point-to-point rules (strict_p2p). Ranks are threads, so
+hundreds of examples run in seconds; a few fixed cases rerun on real gloo processes and
+must give the same bits, and stage 0 is held against torch's DistributedDataParallel there.
 
 MINIZERO_DEVICE=cuda runs the suite with every thread rank on one GPU, each on its own
-stream (the gloo process tests are CPU ranks: they run with the default, cpu).
+stream (the gloo process tests are CPU ranks: they run with the default, cpu);
+MINIZERO_STRICT_P2P=1 runs every example under NCCL's point-to-point rules.
 """
 import copy
 import tempfile
