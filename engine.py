@@ -13,19 +13,18 @@ import contextlib
 import os
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import checkpoint
+from checkpoint import read_state, write_state
 from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
                       sharded, tensors, zero_update)
-from checkpoint import read_state, write_state
 from offload import check_offload, disk_update, placement
 from optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
-from ops import Pending, all_gather, broadcast
+from ops import Pending, all_gather, broadcast, comm_thread
 
 
 class Engine:
@@ -72,8 +71,8 @@ class Engine:
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
         # one communication thread per rank runs collectives in the order they are asked
         # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
-        self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
+        self.pool = comm_thread(comm) if overlap else None
+        self.side = torch.cuda.Stream(comm.device) if overlap and comm.device.type == "cuda" else None
 
         modules = default_units(model) if units is None else list(units)
         groups = group_params(model, modules, self.sharded["params"])
@@ -231,7 +230,7 @@ class Engine:
             for u in units:
                 if u.held is not None:
                     raise RuntimeError("engine.gathered() is already open for these parameters; do not nest it")
-                u.held = all_gather(u.shard, self.comm, kind="gathered")
+                u.held = all_gather(u.shard.to(self.device), self.comm, kind="gathered")  # (offload_params: on the host)
                 u.point(u.held)
                 u.mark(released=False)
         self.writing = writable

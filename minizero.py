@@ -302,7 +302,7 @@ def ddp_update(flat, master, state, full_grad, steps, hp, whole=None):
 def zero_update(master, state, reduced, steps, hp, comm, flat, shard, whole=None):
     """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state (what
     Muon and Adafactor read of whole tensors gathered: gather_whole), then shares it."""
-    update(master, state, reduced, steps, hp, whole, gather_whole(comm, flat.device) if whole else None)
+    update(master, state, reduced, steps, hp, whole, gather_whole(comm, flat.device) if whole else None, flat.device)
     share_params(master, comm, flat, shard)
 
 
@@ -405,7 +405,7 @@ def clip_coef(grad_shards, max_norm, comm):
     total = per_rank[0]
     for x in per_rank[1:]:
         total = total + x
-    return torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+    return torch.clamp((total.sqrt() + 1e-6).reciprocal() * max_norm, max=1.0)  # (torch's max_norm / (...))
 
 
 # -----------------------------------------------------------------------------

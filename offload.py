@@ -13,7 +13,8 @@ memory is a few units' state at a time, never the whole optimizer.
 Files are preallocated at construction (a disk too small fails there, not mid-run) and
 read and written with pread/pwrite, not mapped, so the page cache is never counted as
 the process's memory. They are removed by Engine.close(), when the engine is collected,
-and at normal interpreter exit.
+at normal interpreter exit, and by run_processes when its run ends (a rank it spawned
+may be killed, and every one leaves by os._exit).
 """
 import os
 import warnings
@@ -23,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from minizero import Place, gather_whole, share_params
-from ops import all_gather
+from ops import all_gather, remove_at_end
 from optimizers import runs, update
 
 F32 = 4  # bytes per element of master and the state
@@ -81,6 +82,7 @@ class DiskState:
         sizes = {k: t.numel() for k, t in state.items()}
         n = sum(sizes.values())
         path = os.path.join(self.folder, f"minizero-{self.tag}-unit{i}.offload")
+        remove_at_end(path)  # (a spawned rank that is killed runs no cleanup: its launcher removes it)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.files[i] = [fd, path, sizes, 0]  # slot 0 holds the state
         try:
@@ -169,7 +171,7 @@ def disk_update(engine, hp):
             u = units[i]
             gather = gather_whole(engine.comm, engine.device) if u.whole else None
             update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced, runs(u, hp), hp,
-                   u.whole, gather)
+                   u.whole, gather, engine.device)
             disk.write(i, state)
         disk.finish()
     except OSError as e:

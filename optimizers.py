@@ -176,12 +176,13 @@ def runs(u, hp):
     return out
 
 
-def update(master, state, grad, steps, hp, whole=None, gather=None):
+def update(master, state, grad, steps, hp, whole=None, gather=None, device=None):
     """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
     grad is the reduced gradient sum there; master and the state tensors (by key) are
     updated in place. whole: the unit's whole-tensor update ("muon", "adafactor" or None);
     gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
-    own range holds (stage 0 holds the whole unit: None)."""
+    own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
+    `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
     g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
     if hp.coef is not None:
         g = g * hp.coef.to(g.device)
@@ -194,14 +195,18 @@ def update(master, state, grad, steps, hp, whole=None, gather=None):
         elif p.kind == "sgd":
             sgd(master[p.a:p.b], g[p.a:p.b], s.get("momentum_buffer"), t, hp.lr, o["momentum"], o["nesterov"], wd)
     if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
-        x = torch.zeros(len(g), dtype=torch.bfloat16, device=g.device)
+        dev = device or master.device  # (lerp is a fused kernel: the host's may round otherwise)
+        x = torch.zeros(len(g), dtype=torch.bfloat16, device=dev)
         mine = [(p, t, wd) for p, t, wd in steps if p.kind == "muon"]
         for p, t, wd in mine:
             c, d = p.at.get("momentum_buffer", (0, 0))
-            x[p.a:p.b] = muon_momentum(state["momentum_buffer"][c:d] if d else None, g[p.a:p.b], o["momentum"],
-                                       o["nesterov"])
-        full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16 (offloaded: to the device, where
-        for p, t, wd in mine:  # stage 0 runs Newton-Schulz)
+            buf = state["momentum_buffer"][c:d] if d else None
+            here = None if buf is None else buf.to(dev)
+            x[p.a:p.b] = muon_momentum(here, g[p.a:p.b].to(dev), o["momentum"], o["nesterov"])
+            if here is not buf:  # offloaded: the buffer back to the host
+                buf.copy_(here)
+        full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
+        for p, t, wd in mine:
             n, w = math.prod(p.shape), p.lo - p.o  # w: where my range starts inside the parameter
             ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"], o["ns_steps"])
             master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
@@ -225,13 +230,14 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
     1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
     + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
-    whole buffer. p, m and v are updated in place (the same operations in the same order
-    as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
-    full-size temporaries."""
+    whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
+    tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
+    operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...): out of
+    place, a step would need ten full-size temporaries."""
     p.mul_(decay)
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
-    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
+    denom = v.sqrt().div_(torch.full((), math.sqrt(1 - beta2 ** t), device=v.device)).add_(eps)
     p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
     return p, m, v
 
