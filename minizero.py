@@ -490,17 +490,20 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
 def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
                         reduce_dtype=None, shard_size=None):
     """Payload bytes one node's ranks send in one step -> {"intra": to ranks in the node,
-    "inter": to other nodes}, nodes being node_size consecutive ranks (all alike). A ring
-    sends each rank's bytes to the next rank of its ring: the shard group's ring for the
-    reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
-    per node sends its all across; hybrid with S = node_size, only the all-reduce leaves."""
+    "inter": to other nodes, "busiest": the most one rank sends to other nodes}, nodes
+    being node_size consecutive ranks (all alike). A ring sends each rank's bytes to the
+    next rank of its ring: the shard group's ring for the reduce-scatters and all-gathers,
+    the replicas' ring for the all-reduce. Flat, one rank per node sends all it sends
+    across; hybrid with S = node_size, every rank sends only its all-reduce across."""
     S = shard_size or world_size
-    out = {"intra": 0, "inter": 0}
+    out, across = {"intra": 0, "inter": 0}, [0] * node_size
     for kind, b in comm_bytes_per_step(numel, world_size, stage, dtype, grad_accum, reduce_dtype, S).items():
         for r in range(node_size):
             right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
-            out["intra" if right // node_size == r // node_size else "inter"] += b
-    return out
+            inter = right // node_size != r // node_size
+            out["inter" if inter else "intra"] += b
+            across[r] += b * inter
+    return {**out, "busiest": max(across)}
 
 
 def peak_memory(device):
