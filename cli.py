@@ -122,7 +122,7 @@ def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, 
     hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1)}
     bw = {"reduce_scatter": bandwidth(shard_rings), "all_gather": bandwidth(shard_rings),
           "all_reduce": bandwidth(replica_rings)}
-    sent = comm_bytes_per_step(numel, N, stage, dtype, shard_size=S)
+    sent = comm_bytes_per_step(numel, S, stage, dtype, replicas=R)
     return (sum(b / bw[k] for k, b in sent.items()),
             sum(calls[k] * units * hops[k] * links.latency for k in sent))
 
@@ -151,13 +151,14 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
                          f"{link['inter'] / 1e9:.2f}", f"{link['busiest'] / 1e9:.2f}", f"{bw + lat:.3f}",
                          f"({bw:.3f} + {lat:.3f})"])
     widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    title = (f"{params:.3g} parameters on {world_size // node_size} nodes of {node_size} "
-             f"({str(dtype).replace('torch.', '')}; GB = 1e9 bytes, per step of one micro-batch): flat shards each "
-             f"unit over all {world_size} ranks, hybrid over {shard_size} and copies it {world_size // shard_size}x.\n"
-             f"Bytes a node's ranks send inside it and to other nodes, and the most one rank sends across "
-             f"(its NIC's load); time from a ring model at "
-             f"{links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per GPU inside / across nodes, "
-             f"{links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
+    R = world_size // shard_size
+    title = (f"{params:.3g} parameters, {world_size // node_size} nodes x {node_size} ranks, "
+             f"{str(dtype).replace('torch.', '')} (GB = 1e9 bytes; one micro-batch per step)\n"
+             f"flat: each unit sharded over all {world_size} ranks; hybrid {shard_size}x{R}: over {shard_size} "
+             f"consecutive ranks, copied {R} times\n"
+             f"bytes sent per step: by a node's ranks inside it and to other nodes; by its busiest rank across\n"
+             f"time: ring model, {links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per GPU inside / "
+             f"across nodes, {links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
     return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1]) + "".join(c.rjust(w) for c, w in
                                                                               zip(r[2:], widths[2:])) for r in rows]
 

@@ -55,8 +55,7 @@ class Engine:
         check_same_model(model, comm)  # first: every later collective's size depends on it
         self.model = model                      # the user's module; its parameters live in the units
         self.comm = comm                        # send/recv and the byte ledger (ops.py)
-        # hybrid sharding: units cut over `shards` (S ranks), copied across `replicas` (N/S)
-        self.shards, self.replicas = split(comm, comm.world_size if shard_size is None else shard_size)
+        self.shards, self.replicas = split(comm, shard_size)  # units cut over S ranks, copied N/S times (hybrid)
         self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
         self.sharded = sharded(stage)           # what this stage keeps 1/N of
         self.dtype = dtype                      # compute dtype of params, grads and float inputs
@@ -105,8 +104,7 @@ class Engine:
         self.units = []
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
-            self.units.append(Unit(m, g, comm, self.shards, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
-                                   place._replace(index=i)))
+            self.units.append(Unit(m, g, comm, self.shards, dtype, self.sharded, decay, place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -502,8 +500,7 @@ class Engine:
         by the ledger's kinds) must be: minizero's formulas."""
         layout = self.numel(), self.shards.world_size, self.stage, self.dtype  # (a unit is cut S ways)
         if sent:
-            return comm_bytes_per_step(self.numel(), self.comm.world_size, self.stage, self.dtype, self.grad_accum,
-                                       self.reduce_dtype, self.shards.world_size)
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, self.replicas.world_size)
         if offloaded:
             return offloaded_bytes(*layout, self.offload, self.offload_params)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype)

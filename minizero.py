@@ -157,7 +157,7 @@ class Unit:
     everything this rank keeps for it. What the stage shards is held as chunk r, r this
     rank's place in `shards` (its shard group: all N ranks, or S of them when hybrid)."""
 
-    def __init__(self, module, named, comm, shards, dtype, sharded, decays, place):
+    def __init__(self, module, named, comm, shards, dtype, sharded, decay, place):
         N, S = comm.world_size, shards.world_size
         self.index = place.index                    # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
@@ -168,7 +168,7 @@ class Unit:
         self.numel = sum(sizes)                     # Ψ_u, the unit's trainable elements
         self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N (so a chunk is R·k)
         self.shard_size = self.padded // S          # shard group rank r owns elements [r·s, (r+1)·s)
-        self.decays = decays                        # per parameter: does weight decay apply to it?
+        self.decays = [decay is None or bool(decay(n, p)) for n, p in named]  # per parameter: weight decay?
         self.used = [False] * len(self.params)      # per parameter: got a gradient this step (any rank)
         self.steps = [0] * len(self.params)         # per parameter: AdamW's step count (bias correction)
         self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
@@ -470,15 +470,14 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
-                        shard_size=None):
+                        replicas=1):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
-    over Ψ elements on S ranks sends (S-1)/S·Ψ. Gradients (in reduce_dtype) are
+    over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
     (forward and backward), whole ones once per step (the grads at stage 0, the updated
-    params at 1-2); all in the shard group. Hybrid (shard_size S < N): the reduced shard
-    (Ψ/S) is all-reduced across the R = N/S replicas once per step, 2(R-1)/R·Ψ/S."""
-    S = shard_size or world_size
-    R = world_size // S
+    params at 1-2). Hybrid: world_size is S, the shard group's ranks, and the reduced shard
+    (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S."""
+    S, R = world_size, replicas
     per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
     gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
@@ -497,7 +496,7 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
     across; hybrid with S = node_size, every rank sends only its all-reduce across."""
     S = shard_size or world_size
     out, across = {"intra": 0, "inter": 0}, [0] * node_size
-    for kind, b in comm_bytes_per_step(numel, world_size, stage, dtype, grad_accum, reduce_dtype, S).items():
+    for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
         for r in range(node_size):
             right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
             inter = right // node_size != r // node_size

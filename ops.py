@@ -468,8 +468,8 @@ class Group:
 def split(comm, shard_size):
     """Hybrid sharding's two groups of this rank -> (shards, replicas): shards is its group of
     shard_size consecutive ranks (a node, under torchrun), replicas the ranks at its position
-    in every such group. shard_size = world size is plain ZeRO: (comm, a group of one)."""
-    n, s = comm.world_size, shard_size
+    in every such group. shard_size = world size (or None) is plain ZeRO: (comm, a group of one)."""
+    n, s = comm.world_size, comm.world_size if shard_size is None else shard_size
     if not isinstance(s, int) or s < 1 or n % s:
         raise ValueError(f"shard_size must divide the world size {n} (units are sharded over groups of "
                          f"shard_size ranks and copied across world_size/shard_size groups); got {s!r}: "

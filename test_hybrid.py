@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import check
+import cli
 import engine
 import minizero
 import ops
@@ -178,3 +179,37 @@ def test_processes_at_a_shard_size():
                 assert_same(a["state"], b["state"])
         for a, b in zip(native[0]["hist"], native[1]["hist"]):  # torch's order, the same in both stages
             assert_same(a["state"], b["state"])
+
+
+# -----------------------------------------------------------------------------
+# the planner: the ring model by hand on a small machine, and its command line
+
+
+def test_ring_model_by_hand():
+    """4 ranks on 2 nodes of 2, Ψ = 4000 bf16, 1 unit, 1 s per hop, 100 B/s inside a node, 10 across."""
+    links = cli.Links(intra=100.0, inter=10.0, latency=1.0)
+    # hybrid 2x2: reduce-scatter and all-gather of Ψ inside a node, 2000 elements = 4000 B each at
+    # 100 B/s, 1 hop each; the all-reduce of Ψ/2 between the nodes, 4000 B at 10 B/s, 2 hops
+    assert cli.ring_seconds(4000, 4, 0, 2, 2, links, 1) == (40 + 40 + 400, 1 + 1 + 2)
+    # flat: one ring over both nodes, as slow as its slowest hop: 6000 B twice at 10 B/s, 3 hops each
+    assert cli.ring_seconds(4000, 4, 0, 2, 4, links, 1) == (1200, 6)
+    # stage 3 gathers twice per micro-batch: 3 collectives inside the node, per unit (5 units)
+    assert cli.ring_seconds(4000, 4, 3, 2, 2, links, 5) == (40 * 3 + 400, 5 * 3 + 5 * 2)
+
+
+def test_planner_at_1024_gpus(capsys):
+    cli.main("--params 7.5e9 --world-size 1024 --gpus-per-node 8".split())
+    rows = {tuple(line.split()[:2]): line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split()[1:2] in (["flat"], ["hybrid"])}
+    flat, hybrid = rows["3", "flat"][2:], rows["3", "hybrid"][3:]  # (hybrid's name is two words: "hybrid 8x128")
+    psi = 7.5e9 * 2 / 1e9  # GB of bf16 params
+    assert float(hybrid[3]) == round(2 * 127 / 128 * psi / 8, 2)  # a rank's share of the all-reduce: all that leaves
+    assert float(flat[3]) == round(3 * 1023 / 1024 * psi, 2)  # one rank per node sends its 3Ψ across
+    assert float(hybrid[0]) == 7.5e9 * 16 / 8 / 1e9  # 16 bytes per parameter over 8 ranks
+    assert float(hybrid[4]) < float(flat[4])  # less time per step
+
+
+def test_planner_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main("--params 7.5e9 --world-size 1024 --gpus-per-node 8 --shard-size 3".split())
+    assert e.value.code == 2 and "--shard-size 3 must divide the world size 1024" in capsys.readouterr().err
