@@ -214,6 +214,8 @@ def check_main(argv):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", choices=list(DTYPE_NAMES))
     ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--shard-size", type=int, help="hybrid sharding over groups of this many ranks (it must "
+                                                   "divide every world size)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -226,6 +228,8 @@ def check_main(argv):
             kw["dtype"] = DTYPE_NAMES[a.dtype]
         if a.grad_accum:
             kw["grad_accum"] = a.grad_accum
+        if a.shard_size:
+            kw["shard_size"] = a.shard_size
         if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
             raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
         t0 = time.perf_counter()

@@ -284,6 +284,8 @@ class ProcessComm:
         make_groups; all by default); with check=True, a small all-gather of headers first
         catches ranks in mismatched collectives."""
         ranks = tuple(ranks or range(self.world_size))
+        if len(ranks) < self.world_size and ranks not in self.groups:
+            raise ValueError(f"no torch process group for ranks {ranks}: make it with comm.make_groups (ops.split does)")
         group = self.groups.get(ranks)  # None: the whole world
         if self.check:
             h = self._header(kind, x)
@@ -460,6 +462,15 @@ class Group:
 
     def irecv(self, t, src, kind="p2p"):
         return self.comm.irecv(t, self.ranks[src], kind)
+
+    def exchange(self, send, dst, recv, src, kind="p2p"):  # the one point-to-point operation (issue 18)
+        return self.comm.exchange(send, self._global(dst), recv, self._global(src), kind)
+
+    def iexchange(self, send, dst, recv, src, kind="p2p"):
+        return self.comm.iexchange(send, self._global(dst), recv, self._global(src), kind)
+
+    def _global(self, r):
+        return None if r is None else self.ranks[r]
 
     def run_native(self, op, x, out, kind):
         return self.comm.run_native(op, x, out, kind, self.ranks)

@@ -85,6 +85,27 @@ def test_replicas_that_never_all_reduce(monkeypatch):
     assert report.rows[1].first.what in ("grads", "bytes", "ranks"), f"\n{report}"
 
 
+def test_native_collectives_in_groups_on_threads():
+    """torch's own order (threads: rank order, in shared memory) inside each group and
+    across: still the same bits in every stage, and torch's answer at stage 0."""
+    report = run_check(BUG, native=True)
+    assert report.ok, f"\n{report}"
+
+
+def test_gathered_params_are_whole_and_writable_on_every_copy():
+    def body(comm):
+        model, _ = make(BUG)
+        e = minizero.Engine(model, comm, 3, shard_size=2)
+        with e.gathered(writable=True):
+            whole = model.head.weight.clone()
+            if comm.rank == 0:
+                model.head.weight.data.fill_(comm.rank + 2.0)
+        return whole, e.full_state_dict()["head.weight"]
+    ranks = ops.run_threads(body, 4)
+    for whole, after in ranks:
+        assert torch.equal(whole, make(BUG)[0].head.weight.detach()) and bool((after == 2.0).all())
+
+
 # -----------------------------------------------------------------------------
 # the ledger by peer: bytes inside a node and across nodes, against the formula
 
