@@ -166,7 +166,7 @@ class Unit:
         sizes = [p.numel() for p in self.params]
         self.offsets = list(accumulate(sizes, initial=0))[:-1]  # where each parameter starts in flat
         self.numel = sum(sizes)                     # Ψ_u, the unit's trainable elements
-        self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N (so a chunk is R·k)
+        self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N (a chunk cuts R ways)
         self.shard_size = self.padded // S          # shard group rank r owns elements [r·s, (r+1)·s)
         self.decays = [decay is None or bool(decay(n, p)) for n, p in named]  # per parameter: weight decay?
         self.used = [False] * len(self.params)      # per parameter: got a gradient this step (any rank)
@@ -488,21 +488,21 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
 
 def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
                         reduce_dtype=None, shard_size=None):
-    """Payload bytes one node's ranks send in one step -> {"intra": to ranks in the node,
-    "inter": to other nodes, "busiest": the most one rank sends to other nodes}, nodes
-    being node_size consecutive ranks (all alike). A ring sends each rank's bytes to the
-    next rank of its ring: the shard group's ring for the reduce-scatters and all-gathers,
-    the replicas' ring for the all-reduce. Flat, one rank per node sends all it sends
-    across; hybrid with S = node_size, every rank sends only its all-reduce across."""
+    """Payload bytes a node's ranks send in one step, nodes being node_size consecutive
+    ranks -> {"intra": to ranks in the node, "inter": to other nodes, each the most any
+    node sends; "busiest": the most one rank sends to other nodes}. A ring sends each
+    rank's bytes to the next rank of its ring: the shard group's ring for the
+    reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
+    per node sends all it sends across; hybrid with S = node_size, every rank sends only
+    its all-reduce across."""
     S = shard_size or world_size
-    out, across = {"intra": 0, "inter": 0}, [0] * node_size
+    intra, inter = [0] * world_size, [0] * world_size  # per rank
     for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
-        for r in range(node_size):
+        for r in range(world_size):
             right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
-            inter = right // node_size != r // node_size
-            out["inter" if inter else "intra"] += b
-            across[r] += b * inter
-    return {**out, "busiest": max(across)}
+            (inter if right // node_size != r // node_size else intra)[r] += b
+    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
+    return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
 def peak_memory(device):
