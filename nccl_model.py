@@ -94,10 +94,12 @@ class Streams:
         self.lock.notify_all()
 
     def _heads(self):
-        return "; ".join(f"rank {r} " + (f"is stuck in {q[0]}" + (f" ({len(q) - 1} more queued behind it)"
-                                                                   if len(q) > 1 else "") if q else
-                                         "has finished" if done else "is in no point-to-point operation")
-                         for r, (q, done) in enumerate(zip(self.queued, self.finished)))
+        def state(q, done):
+            if not q:
+                return "has finished" if done else "is in no point-to-point operation"
+            behind = f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "") if len(q) > 1 else ""
+            return f"is stuck in {q[0]}{behind}"
+        return "; ".join(f"rank {r} {state(q, done)}" for r, (q, done) in enumerate(zip(self.queued, self.finished)))
 
 
 class Exchange:
