@@ -9,6 +9,7 @@ here, in a test, naming what each rank waits for.
                   its peer's stream; neither side goes on before
     one group     an exchange's send and receive run together and it completes when both
                   have met theirs (torch.distributed.batch_isend_irecv)
+    one device    every tensor is on the ranks' device (NCCL moves only GPU tensors)
 
 A ring hop that sends, then receives in an operation of its own, waits in a circle under
 these rules: every rank's send waits for a receive queued behind its peer's send. NCCL
@@ -38,6 +39,10 @@ class Streams:
         self.lock = threading.Condition()       # guards the three above
 
     def issue(self, x):
+        for t in (x.send, x.recv):  # (a host tensor, say a shard offloaded to the host)
+            if t is not None and t.device != self.world.device:
+                raise ValueError(f"rank {x.rank}: {x} has a tensor on {t.device}, but the ranks work on "
+                                 f"{self.world.device}; NCCL moves only tensors on the rank's GPU: move it there first")
         with self.lock:
             self.queued[x.rank].append(x)
             self._progress()
@@ -89,10 +94,12 @@ class Streams:
         self.lock.notify_all()
 
     def _heads(self):
-        return "; ".join(f"rank {r} " + (f"is stuck in {q[0]}" + (f" ({len(q) - 1} more queued behind it)"
-                                                                   if len(q) > 1 else "") if q else
-                                         "has finished" if done else "is in no point-to-point operation")
-                         for r, (q, done) in enumerate(zip(self.queued, self.finished)))
+        def state(q, done):
+            if not q:
+                return "has finished" if done else "is in no point-to-point operation"
+            behind = f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "") if len(q) > 1 else ""
+            return f"is stuck in {q[0]}{behind}"
+        return "; ".join(f"rank {r} {state(q, done)}" for r, (q, done) in enumerate(zip(self.queued, self.finished)))
 
 
 class Exchange:
