@@ -14,9 +14,11 @@ The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scal
 size, stage and dtype it was saved at, the model's state_dict names, the optimizer and its
 hyperparameters, and per unit its parameters (name, tied aliases, shape, offset in the unit's
 flat layout, the update it gets and its state's keys, and its step count: a parameter with
-no gradient in a step is not stepped). Shard k holds rank k's chunk of every unit's fp32
-master and the optimizer state of that range (optimizers.state_layout); shard 0 also holds
-the frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
+no gradient in a step is not stepped). Shard k holds the k-th of N pieces of every unit's
+fp32 master and the optimizer state of that range (optimizers.state_layout; rank k's,
+unless hybrid: see piece()); shard 0 also holds the frozen parameters and buffers. A shard
+is checked against its sha256 in the manifest. The pieces in order are the layout, so a
+checkpoint of any world size, shard size, stage and optimizer layout loads at any other.
 """
 import contextlib
 import hashlib
@@ -47,15 +49,16 @@ def save(engine, path, meta=None):
     (JSON: the training step, say) rides in the manifest and comes back from load()."""
     if engine.micro:
         raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
-    comm, r = engine.comm, engine.comm.rank
+    comm, N = engine.comm, engine.comm.world_size
+    k = piece(engine, comm.rank)  # which 1/N of the layout this rank saves
     os.makedirs(path, exist_ok=True)
     nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
     tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
-    shard = {"units": [{k: t.cpu() for k, t in my_state(engine, u).items()} for u in engine.units]}
-    if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
+    shard = {"units": [{key: t.cpu() for key, t in my_state(engine, u, k).items()} for u in engine.units]}
+    if k == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                           for n, t in frozen(engine).items()}
-    mine, mpath = os.path.join(path, f"shard-{tag}-{r}.pt"), os.path.join(path, "manifest.json")
+    mine, mpath = os.path.join(path, f"shard-{tag}-{k}.pt"), os.path.join(path, "manifest.json")
     try:
         digest, error = write_atomic(mine, shard), ""
     except OSError as e:
@@ -68,8 +71,9 @@ def save(engine, path, meta=None):
         raise (RuntimeError if error else PeerFailed)(
             f"checkpoint not saved: rank(s) {failed} could not write their shard "
             f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
-    if r == 0:
-        m = manifest(engine, tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
+    if comm.rank == 0:
+        by_piece = sorted(range(N), key=lambda j: piece(engine, j))  # the ranks that saved pieces 0, 1, ...
+        m = manifest(engine, tag, [bytes(reports[j, 1:].tolist()).hex() for j in by_piece])
         m["meta"] = meta
         try:
             write_atomic(mpath, json.dumps(m, indent=1).encode())
@@ -87,16 +91,24 @@ def save(engine, path, meta=None):
                            f"({error or 'see rank 0'}); the previous checkpoint in {path} is untouched")
 
 
-def my_state(engine, u):
-    """Rank r's master and optimizer state of unit u, as a world of this size and a sharded
-    stage keeps them (from disk if offloaded there; DDP holds the whole: cut out my range)."""
+def piece(engine, rank):
+    """Which of the N pieces of the layout a rank saves: piece p·R + g for the rank at place
+    p of shard group g (each shard group's chunk p, cut R ways across its replicas). Not
+    hybrid (R = 1): piece r is rank r's."""
+    S = engine.shards.world_size
+    return rank % S * (engine.comm.world_size // S) + rank // S
+
+
+def my_state(engine, u, k):
+    """Piece k (of N) of unit u's master and optimizer state, re-cut from what this rank
+    keeps (from disk if offloaded there): the whole unit (DDP) or its chunk (a piece of it,
+    or all of it unless hybrid)."""
     st = read_state(engine, u)
-    if engine.sharded["optimizer"]:
-        return st
-    r, s = engine.comm.rank, u.shard_size
-    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.kinds, u.keys, r * s, r * s + s)
+    q = u.padded // engine.comm.world_size
+    start = k * q - (engine.shards.rank * u.shard_size if engine.sharded["optimizer"] else 0)
+    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.kinds, u.keys, k * q, k * q + q)
     state = from_params(pieces, u.keys, sizes, to_params(u.pieces, u.keys, st, [p.numel() for p in u.params]))
-    return {"master": u.chunk(st["master"], r), **state}
+    return {"master": st["master"][start:start + q], **state}
 
 
 def to_params(pieces, keys, state, numels, into=None):
@@ -128,7 +140,8 @@ def manifest(engine, tag, digests):
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
     return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scale,
-            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size, "stage": engine.stage,
+            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size,
+            "shard_size": engine.shards.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "optimizer": engine.optimizer,
             "hparams": {"lr": engine.lr, "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum,
@@ -163,7 +176,7 @@ def load(engine, path):
                 raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
                                  f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
                                  f"build the engine with the options it was saved with")
-    r = engine.comm.rank
+    r = engine.shards.rank  # (hybrid: every replica takes the same chunk)
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     write_state(engine, ((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
         u.pieces, u.keys, u.sizes, [{k: params[n][k] for k in keys} for n, keys in zip(u.names, u.keys)])})
@@ -211,7 +224,7 @@ def full_state_dict(engine):
     values = {}
     for u in engine.units:
         master = read_state(engine, u, master_only=True)["master"].to(engine.device)
-        full = all_gather(master, engine.comm, kind="state_dict") if engine.sharded["optimizer"] else master
+        full = all_gather(master, engine.shards, kind="state_dict") if engine.sharded["optimizer"] else master
         for p, o in zip(u.params, u.offsets):
             values[id(p)] = full[o:o + p.numel()].view(p.shape)
     out = {}

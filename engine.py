@@ -24,7 +24,7 @@ from minizero import (Unit, cast_floats, check_engine_args, check_same_model, cl
                       sharded, tensors, zero_update)
 from offload import check_offload, disk_update, placement
 from optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
-from ops import Pending, all_gather, broadcast, comm_thread
+from ops import Pending, all_gather, broadcast, comm_thread, split
 
 
 class Engine:
@@ -35,7 +35,8 @@ class Engine:
     def __init__(self, model, comm, stage, *, units=None, optimizer="adamw", lr=1e-3, weight_decay=0.0, decay=None,
                  dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16,
                  scale_window=1000, skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
-                 offload_params=False, pin_memory=True, init=None, overlap=True, native=None, **options):
+                 offload_params=False, pin_memory=True, init=None, overlap=True, native=None, shard_size=None,
+                 **options):
         check_engine_args(model, stage, dtype, grad_accum)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
@@ -45,6 +46,7 @@ class Engine:
         check_same_model(model, comm)  # first: every later collective's size depends on it
         self.model = model                      # the user's module; its parameters live in the units
         self.comm = comm                        # send/recv and the byte ledger (ops.py)
+        self.shards, self.replicas = split(comm, shard_size)  # units cut over S ranks, copied N/S times (hybrid)
         self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
         self.sharded = sharded(stage)           # what this stage keeps 1/N of
         self.dtype = dtype                      # compute dtype of params, grads and float inputs
@@ -85,8 +87,8 @@ class Engine:
         self.units, kind = [], choose_updates(model, optimizer, options)
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
-            self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
-                                   [kind(n, p) for n, p in g], options, place._replace(index=i)))
+            self.units.append(Unit(m, g, comm, self.shards, dtype, self.sharded, decay, [kind(n, p) for n, p in g],
+                                   options, place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
@@ -183,7 +185,7 @@ class Engine:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             if u.viewing is not u.flat:  # after gathered() they still view what it held
                 u.point(u.flat)
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards))
         return u.pending
 
     def _release(self, u):
@@ -230,7 +232,7 @@ class Engine:
             for u in units:
                 if u.held is not None:
                     raise RuntimeError("engine.gathered() is already open for these parameters; do not nest it")
-                u.held = all_gather(u.shard.to(self.device), self.comm, kind="gathered")  # (offload_params: on the host)
+                u.held = all_gather(u.shard.to(self.device), self.shards, kind="gathered")  # (offload_params: on the host)
                 u.point(u.held)
                 u.mark(released=False)
         self.writing = writable
@@ -248,7 +250,7 @@ class Engine:
 
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
-        mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
+        mine = u.chunk(full, self.shards.rank) if self.sharded["optimizer"] else full
         state = read_state(self, u)  # (from disk: a copy, written back whole: a slot is written whole)
         state["master"].copy_(mine)
         if self.disk is not None:
@@ -311,10 +313,10 @@ class Engine:
 
         def job():
             if self.sharded["optimizer"]:
-                u.reduced = reduce_grads(local, reduced, self.comm)
+                u.reduced = reduce_grads(local, reduced, self.shards, self.replicas, last)
             else:  # the whole optimizer on every rank needs the whole gradient
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
-                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
+                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.shards, self.replicas, last, out)
         self.jobs.append(self._submit(job))
         if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
             self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
@@ -360,7 +362,7 @@ class Engine:
         unscale = 1.0 / (self.comm.world_size * self.scale)  # mean over ranks, undo the loss scale
         coef = None
         if self.clip is not None:
-            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
+            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.shards)
         hp = Hyper(self.lr, self.weight_decay, self.options, unscale, coef)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
@@ -369,7 +371,8 @@ class Engine:
         else:
             for u in self.units:
                 if self.sharded["optimizer"]:
-                    zero_update(u.master, u.state, u.reduced, runs(u, hp), hp, self.comm, u.flat, u.shard, u.whole)
+                    zero_update(u.master, u.state, u.reduced, runs(u, hp), hp, self.shards, u.flat, u.shard,
+                                u.whole)
                 else:
                     ddp_update(u.flat, u.master, u.state, u.full_grad, runs(u, hp), hp, u.whole)
         self.t += 1
@@ -454,9 +457,10 @@ class Engine:
     def formula(self, offloaded=False, sent=False):
         """What memory() (offloaded=True: offloaded(); sent=True: the bytes one step sends,
         by the ledger's kinds) must be: minizero's formulas, for this layout and optimizer."""
-        layout, state = (self.numel(), self.comm.world_size, self.stage, self.dtype), state_numel(self.units)
+        layout, state = (self.numel(), self.shards.world_size, self.stage, self.dtype), state_numel(self.units)
         if sent:
-            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, whole_numel(self.units))
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, self.replicas.world_size,
+                                       whole_numel(self.units))
         if offloaded:
             return offloaded_bytes(*layout, self.offload, self.offload_params, state)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype, state)

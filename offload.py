@@ -169,7 +169,7 @@ def disk_update(engine, hp):
     try:
         for i, state in disk.stream(range(len(units))):
             u = units[i]
-            gather = gather_whole(engine.comm, engine.device) if u.whole else None
+            gather = gather_whole(engine.shards, engine.device) if u.whole else None
             update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced, runs(u, hp), hp,
                    u.whole, gather, engine.device)
             disk.write(i, state)
@@ -187,7 +187,7 @@ def disk_update(engine, hp):
                            f"and step counts are as they were. Free space there and train on")
     disk.commit()
     for i, state in disk.stream(range(len(units)), count=1):
-        share_params(state["master"], engine.comm, units[i].flat, units[i].shard)
+        share_params(state["master"], engine.shards, units[i].flat, units[i].shard)
 
 
 def _pwrite(fd, t, offset):
