@@ -23,7 +23,8 @@ and micro-batch by micro-batch:
            (every rank's micro-batches, loss averaged over ranks), within a tolerance of
            the step's largest sum of |contributions| to one gradient element (rounding
            in backward scales with what flows through it); and torch's optimizer
-           (AdamW, SGD, Adafactor, or Muon + AdamW) driven by the engine's own gradient. Split this way neither half amplifies rounding
+           (AdamW, SGD, Adafactor, or Muon + AdamW) driven by the engine's own gradient. Split
+           this way neither half amplifies rounding
            (Adam turns noise in a near-zero gradient into a whole step), so a float
            tolerance means something; it is reported and can be set.
 
@@ -246,7 +247,8 @@ def _rank(comm, stage, spec):
     layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
               for u in engine.units]
     kinds = {n: k for u in engine.units for n, k in zip(u.names, u.kinds)}  # the update each param gets
-    out = dict(layout=layout, kinds=kinds, shard_size=engine.shards.world_size, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
+    out = dict(layout=layout, kinds=kinds, shard_size=engine.shards.world_size,
+               formula=_memory(engine.formula(), engine.formula(offloaded=True)),
                bytes=engine.formula(sent=True), grad_accum=engine.grad_accum,
                initial=engine.full_state_dict() if stage == 0 else None, hist=[])  # (the referee's start)
     for step in range(spec["steps"]):
@@ -437,7 +439,8 @@ def torch_optimizers(named, kinds, kw):
     lr, wd = kw.get("lr", 1e-3), kw.get("weight_decay", 0.0)
     make = {"adamw": lambda g: torch.optim.AdamW(g, lr=lr, betas=o["betas"], eps=o["eps"]),
             "sgd": lambda g: torch.optim.SGD(g, lr=lr, momentum=o["momentum"], nesterov=o["nesterov"]),
-            "adafactor": lambda g: torch.optim.Adafactor(g, lr=lr, beta2_decay=o["beta2_decay"], eps=o["eps"], d=o["d"]),
+            "adafactor": lambda g: torch.optim.Adafactor(g, lr=lr, beta2_decay=o["beta2_decay"], eps=o["eps"],
+                                                         d=o["d"]),
             "muon": lambda g: torch.optim.Muon(g, lr=o["muon_lr"], momentum=o["momentum"], nesterov=o["nesterov"],
                                                ns_coefficients=o["ns_coefficients"], ns_steps=o["ns_steps"],
                                                adjust_lr_fn=o["adjust_lr_fn"])}

@@ -33,10 +33,9 @@ class Engine:
     Keep a reference to the engine while you use the model: its hooks point back to it."""
 
     def __init__(self, model, comm, stage, *, units=None, optimizer="adamw", lr=1e-3, weight_decay=0.0, decay=None,
-                 dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16,
+                 dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16, init=None,
                  scale_window=1000, skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
-                 offload_params=False, pin_memory=True, init=None, overlap=True, native=None, shard_size=None,
-                 **options):
+                 offload_params=False, pin_memory=True, overlap=True, native=None, shard_size=None, **options):
         check_engine_args(model, stage, dtype, grad_accum)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
@@ -63,7 +62,6 @@ class Engine:
         self.skipped, self.skips_in_row = 0, 0  # steps skipped for non-finite gradients
         self.t = 0                              # optimizer steps taken
         self.micro = 0                          # backward() calls since the last step()
-        self.finite = None                      # this rank's own gradients all finite? (a device flag)
         self.in_backward = False                # a forward now is a recomputation inside backward
         self.writing = False                    # inside gathered(writable=True): loading weights is fine
         self.closed = False                     # close() was called: the hooks refuse
@@ -91,7 +89,7 @@ class Engine:
                                    options, place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
-        self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        self.finite = torch.ones((), dtype=torch.bool, device=self.device)  # this rank's own gradients all finite?
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
@@ -145,9 +143,8 @@ class Engine:
     def _loading(self, *_):
         """model.load_state_dict() would change the params but not the optimizer's master."""
         if not self.writing:
-            raise RuntimeError("load weights inside `with engine.gathered(writable=True):` (every rank "
-                               "enters it), so the optimizer's fp32 master takes them too; or use "
-                               "engine.load_checkpoint(), or load before you build the Engine")
+            raise RuntimeError("load weights inside `with engine.gathered(writable=True):` (every rank enters it), so the "
+                               "fp32 master takes them too; or use engine.load_checkpoint(), or load before Engine()")
 
     def _before_forward(self, module, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere

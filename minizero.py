@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
-from optimizers import GATHERED, WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401  (minizero.Hyper, runs)
+from optimizers import GATHERED, WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401 (for users)
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
