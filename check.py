@@ -277,9 +277,9 @@ def _jitter(engine, rng):
     they change when bytes move, which must never change what they sum to."""
     submit = engine._submit
 
-    def delayed(job):
+    def delayed(job, *where):
         pause = rng.uniform(0, 0.002)
-        return submit(lambda: (time.sleep(pause), job())[1])
+        return submit(lambda: (time.sleep(pause), job())[1], *where)
     engine._submit = delayed
 
 

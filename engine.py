@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import checkpoint
+from flight import Tracer
 from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
@@ -35,7 +36,7 @@ class Engine:
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
                  broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
-                 pin_memory=True, init=None, overlap=True, native=None):
+                 pin_memory=True, init=None, overlap=True, native=None, trace=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -101,6 +102,7 @@ class Engine:
         place = Place(offload or "device", "cpu" if offload_params else "device",
                       pin_memory and device.type == "cuda", self.disk)
         self.units = []
+        comm.flight.ctx = ("construction", -1, 0, 0, True)
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
@@ -109,6 +111,7 @@ class Engine:
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
+        self.tracer = trace and Tracer(trace, comm.flight, self.units)  # trace=DIR: a Chrome trace per rank
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
@@ -128,10 +131,16 @@ class Engine:
 
     # ---- communication runs on its own thread, in the order it is asked for
 
-    def _submit(self, job):
-        """Run job() on this rank's communication thread (overlap=True) while autograd
+    def _submit(self, run, phase, u=None):
+        """Run run() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks."""
+        thread runs them in that order, so they pair up across ranks. Their flight records
+        say the phase, unit, step, micro-batch and grad mode they were asked for in."""
+        ctx, flight = (phase, -1 if u is None else u.index, self.t, self.micro, torch.is_grad_enabled()), self.comm.flight
+
+        def job():
+            flight.ctx = ctx
+            return run()
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
@@ -160,7 +169,7 @@ class Engine:
 
     def _before_forward(self, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere
-            self._submit(self._broadcast_buffers).wait()  # (in line with stage 3's prefetches)
+            self._submit(self._broadcast_buffers, "buffers").wait()  # (in line with stage 3's prefetches)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def _broadcast_buffers(self):
@@ -193,7 +202,8 @@ class Engine:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             if u.viewing is not u.flat:  # after gathered() they still view what it held
                 u.point(u.flat)
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm),
+                                     "backward regather" if self.in_backward else "forward gather", u)
         return u.pending
 
     def _release(self, u):
@@ -324,7 +334,7 @@ class Engine:
             else:  # the whole optimizer on every rank needs the whole gradient
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
                 u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
-        self.jobs.append(self._submit(job))
+        self.jobs.append(self._submit(job, "gradient reduction", u))
         if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
             self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
         u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
@@ -371,6 +381,7 @@ class Engine:
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
+        self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
@@ -383,9 +394,12 @@ class Engine:
                                 self.comm, u.flat, u.shard)
                 else:
                     ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
+        self.comm.flight.ctx = ("", -1, self.t + 1, 0, True)
         self.t += 1
         self.skips_in_row = 0
         self._drop_grads()
+        if self.tracer:
+            self.tracer.step(self.t)
         if self.dtype == torch.float16:
             self.clean_steps += 1
             if self.clean_steps % self.scale_window == 0:
