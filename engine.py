@@ -102,7 +102,6 @@ class Engine:
         place = Place(offload or "device", "cpu" if offload_params else "device",
                       pin_memory and device.type == "cuda", self.disk)
         self.units = []
-        comm.flight.ctx = ("construction", -1, 0, 0, True)
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
@@ -111,7 +110,7 @@ class Engine:
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
-        self.tracer = trace and Tracer(trace, comm.flight, self.units)  # trace=DIR: a Chrome trace per rank
+        self.tracer = trace and Tracer(trace, comm, self.units)  # trace=DIR: a Chrome trace per rank
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
@@ -131,16 +130,12 @@ class Engine:
 
     # ---- communication runs on its own thread, in the order it is asked for
 
-    def _submit(self, run, phase, u=None):
-        """Run run() on this rank's communication thread (overlap=True) while autograd
+    def _submit(self, job, phase, u=None):
+        """Run job() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks. Their flight records
-        say the phase, unit, step, micro-batch and grad mode they were asked for in."""
-        ctx, flight = (phase, -1 if u is None else u.index, self.t, self.micro, torch.is_grad_enabled()), self.comm.flight
-
-        def job():
-            flight.ctx = ctx
-            return run()
+        thread runs them in that order, so they pair up across ranks. (Their flight
+        records say the phase, unit, step, micro-batch and grad mode asked for: flight.py.)"""
+        job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, torch.is_grad_enabled()), job)
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
@@ -381,7 +376,7 @@ class Engine:
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
-        self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)
+        self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)  # (flight.py: the all-gathers below)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
@@ -394,7 +389,7 @@ class Engine:
                                 self.comm, u.flat, u.shard)
                 else:
                     ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
-        self.comm.flight.ctx = ("", -1, self.t + 1, 0, True)
+        self.comm.flight.ctx = ("", -1, self.t + 1, 0, True)  # (until the next)
         self.t += 1
         self.skips_in_row = 0
         self._drop_grads()

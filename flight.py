@@ -101,6 +101,13 @@ class Flight:
         self.tag = (rec[SEQ], code(kind), code(phase), unit, int(grad), rec[NUMEL])
         return rec
 
+    def within(self, ctx, job):
+        """job, to run later (on the engine's communication thread) in context ctx."""
+        def run():
+            self.ctx = ctx
+            return job()
+        return run
+
     def end(self, rec):
         rec[T1] = self.idle = time.perf_counter()
         self.current = rec[-1]
@@ -262,14 +269,16 @@ class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
     flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps."""
 
-    def __init__(self, path, flight, units, steps=3):
+    def __init__(self, path, comm, units, steps=3):
         self.path = path            # the directory of the trace files
-        self.flight = flight        # the communicator's record: its spans are the collectives
+        self.flight = comm.flight   # the communicator's record: its spans are the collectives
+        self.world_size = comm.world_size  # an all-gather's whole buffer is N times its input
+        self.t = 0                  # steps done: the step a span belongs to
         self.steps = steps          # steps traced; later ones cost nothing
-        self.compute = []           # (name, start, end) of unit forwards and backwards
+        self.compute = []           # (name, start, end, step) of unit forwards and backwards
         self.open = {}              # span name -> start, for spans still running
         self.spent = []             # the collectives of the traced steps, once tracing stops
-        flight.spans = []
+        self.flight.spans = []
         os.makedirs(path, exist_ok=True)
         for u in units:
             u.module.register_forward_pre_hook(self._begin(u))
@@ -289,7 +298,7 @@ class Tracer:
             if t0 is None:
                 return
             self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
-                                 t0, time.perf_counter()))
+                                 t0, time.perf_counter(), self.t))
             from minizero import tensors  # (minizero imports ops, which imports this file)
             for t in tensors(out):  # backward of this unit starts when its outputs' gradient arrives
                 if t.requires_grad:
@@ -313,7 +322,8 @@ class Tracer:
             return
         for name in [k for k in self.open if k.startswith("backward")]:
             i = name.split()[-1]
-            self.compute.append((name, self.open.pop(name), self.open.pop(f"last grad {i}", time.perf_counter())))
+            self.compute.append((name, self.open.pop(name), self.open.pop(f"last grad {i}", time.perf_counter()), t - 1))
+        self.t = t
         self.write()
         if t >= self.steps:
             self.flight.spans = None
@@ -324,16 +334,17 @@ class Tracer:
         out = [dict(ph="M", name="process_name", pid=r, args=dict(name=f"rank {r}")),
                dict(ph="M", name="thread_name", pid=r, tid=0, args=dict(name="compute")),
                dict(ph="M", name="thread_name", pid=r, tid=1, args=dict(name="collectives"))]
-        for name, t0, t1 in self.compute:
-            out.append(dict(ph="X", name=name, cat="compute", pid=r, tid=0, ts=t0 * 1e6, dur=(t1 - t0) * 1e6))
+        for name, t0, t1, step in self.compute:
+            out.append(dict(ph="X", name=name, cat="compute", pid=r, tid=0, ts=t0 * 1e6, dur=(t1 - t0) * 1e6,
+                            args=dict(step=step)))
         for rec in self.flight.spans or self.spent:
             if rec[T1] is None:
                 continue
-            nbytes = rec[NUMEL] * rec[DTYPE].itemsize
+            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)
             name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
             out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
                             dur=(rec[T1] - rec[T0]) * 1e6,
-                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,
+                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,  # the whole buffer
                                       dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP], micro=rec[MICRO])))
         return out
 
