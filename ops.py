@@ -165,6 +165,9 @@ class ThreadWorld:
     def broken(self, rank, reason, stall=False, latch=True):
         """Raise the diagnosis from every rank's record; latch=True: the world is broken, so
         every rank's next collective raises (the others wake up through `failed`)."""
+        seq, deadline = self.flights[rank].seq, time.monotonic() + 0.5
+        while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
+            time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
         snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
         error = flight.diagnose(snaps, self.world_size, reason, rank, self.timeout if stall else None)
         if latch:
