@@ -19,7 +19,7 @@ import torch
 
 import checkpoint
 from flight import Tracer
-from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
+from minizero import (DTYPES, Hyper, Place, Unit, _nbytes, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
                       zero_update)
@@ -130,11 +130,10 @@ class Engine:
 
     # ---- communication runs on its own thread, in the order it is asked for
 
-    def _submit(self, job, phase, u=None):
+    def _submit(self, job, phase="", u=None):
         """Run job() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks. (Their flight
-        records say the phase, unit, step, micro-batch and grad mode asked for: flight.py.)"""
+        thread runs them in that order, so they pair up across ranks (flight.py records when asked for)."""
         job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, torch.is_grad_enabled()), job)
         if self.pool is None:
             out = job()
@@ -164,7 +163,7 @@ class Engine:
 
     def _before_forward(self, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats, everywhere
-            self._submit(self._broadcast_buffers, "buffers").wait()  # (in line with stage 3's prefetches)
+            self._submit(self._broadcast_buffers).wait()  # (in line with stage 3's prefetches)
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     def _broadcast_buffers(self):
@@ -389,12 +388,10 @@ class Engine:
                                 self.comm, u.flat, u.shard)
                 else:
                     ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
-        self.comm.flight.ctx = ("", -1, self.t + 1, 0, True)  # (until the next)
         self.t += 1
+        self.comm.flight.stepped(self.t)  # (the phase above is over; Engine(trace=...) writes its file)
         self.skips_in_row = 0
         self._drop_grads()
-        if self.tracer:
-            self.tracer.step(self.t)
         if self.dtype == torch.float16:
             self.clean_steps += 1
             if self.clean_steps % self.scale_window == 0:
@@ -549,11 +546,6 @@ class Engine:
                 self.pool.shutdown()
             if self.disk is not None:
                 self.disk.close()
-
-
-def _nbytes(device, *ts):
-    """Bytes of those of ts (None skipped) that live on device."""
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it here

@@ -31,9 +31,7 @@ from collections import deque
 
 import torch
 
-SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1 = range(12)  # a record's fields
-PHASES = ("", "construction", "forward gather", "backward regather", "gradient reduction", "parameter share",
-          "clipping", "flags", "fingerprint", "checkpoint", "buffers", "gathered()", "state dict")
+SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)  # a record's fields
 KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint", "checkpoint": "checkpoint",
               "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()", "state_dict": "state dict"}
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
@@ -43,6 +41,7 @@ OURS = {f"{m}.py" for m in ("ops", "flight", "engine", "minizero", "offload", "c
 
 
 def code(kind):
+    """A kind's or phase's number in message headers."""
     c = _CODES.get(kind)
     if c is None:
         c = _CODES[kind] = zlib.crc32(kind.encode()) & 0x7FFFFFFF
@@ -82,8 +81,10 @@ class Flight:
         self.ctx = ("", -1, 0, 0, True)    # (phase, unit, step, micro, grad) set by the engine
         self.failed = None                 # once the world is broken: the error every collective raises
         self.owner = threading.get_ident()  # the thread that runs the rank's code: its line is the call site
+        self.site = None                   # that line, kept once this rank has failed (its thread may end)
         self.spans = None                  # tracing: every record and compute span, not just the last
         self.idle = None                   # time the previous collective ended (a stalled rank's last sign)
+        self.tracer = None                 # Engine(trace=DIR)'s Tracer: told when a step is done
 
     def start(self, op, kind, t):
         if self.failed is not None:  # the world is broken: no new message may be posted
@@ -92,7 +93,7 @@ class Flight:
         if kind in KIND_PHASE:  # a collective of its own, not the engine's current phase
             phase, unit, grad = KIND_PHASE[kind], -1, True
         rec = [self.seq, op, kind, t.dtype, t.numel(), phase, unit, step, micro, grad, time.perf_counter(), None,
-               self.current]  # (last: the record this one runs inside, as all_reduce's halves do)
+               self.current]  # (OUTER: the record this one runs inside, as all_reduce's halves do)
         self.seq += 1
         self.records.append(rec)
         if self.spans is not None:
@@ -108,10 +109,15 @@ class Flight:
             return job()
         return run
 
+    def stepped(self, t):
+        """The engine's step t is done: back to no phase; a tracer writes its file."""
+        self.ctx = ("", -1, t, 0, True)
+        if self.tracer is not None:
+            self.tracer.step(t)
+
     def end(self, rec):
         rec[T1] = self.idle = time.perf_counter()
-        self.current = rec[-1]
-        rec[-1] = None  # (no chain of finished records)
+        self.current, rec[OUTER] = rec[OUTER], None  # (no chain of finished records)
         if self.current is not None:
             c = self.current
             self.tag = (c[SEQ], code(c[KIND]), code(c[PHASE]), c[UNIT], int(c[GRAD]), c[NUMEL])
@@ -121,7 +127,8 @@ class Flight:
         recs = [tuple(r[:T1 + 1]) for r in list(self.records)]
         return dict(rank=self.rank, records=[(*r[:DTYPE], str(r[DTYPE]).replace("torch.", ""), *r[NUMEL:])
                                              for r in recs],
-                    current=None if self.current is None else self.current[SEQ], site=call_site(self.owner),
+                    current=None if self.current is None else self.current[SEQ],
+                    site=self.site or call_site(self.owner),
                     now=time.perf_counter(), idle=self.idle)
 
 
@@ -165,7 +172,6 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
     reached = {k: max(recs, default=-1) for k, recs in by_seq.items()}
     seqs = sorted({q for recs in by_seq.values() for q in recs})
     first = next((q for q in seqs if len({_identity(recs[q]) for recs in by_seq.values() if q in recs}) > 1), None)
-    lines, culprit, cause = [], None, ""
     if first is not None:  # mismatch: the odd one out at the first differing collective (of the ranks there)
         groups = {}
         for k in sorted(k for k in by_seq if first in by_seq[k]):
@@ -189,24 +195,24 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
         cause = ("likely cause: a rank that never arrived: it is stuck or slow outside minizero (a data loader, "
                  "I/O, a breakpoint, a print to a full pipe) or skipped a collective the others ran (one step or "
                  "micro-batch fewer); every rank must run the same steps, micro-batches and forwards")
-    lines.append(f"{head} ({reason})" if head else reason)
-    for k in range(world_size):
-        s = snaps.get(k)
-        if s is None:
-            lines.append(f"  rank {k}: no record (gone)")
-            continue
-        recs = by_seq[k]
-        at = recs.get(first) if first is not None else None
-        at = at or (recs.get(s["current"]) if s["current"] is not None else None)
-        if at is not None:
-            state = f"in {describe(at)}"
-        else:
-            last = recs.get(reached[k])
-            gap = f"{s['now'] - s['idle']:.1f}s ago" if s["idle"] else "never"
-            state = f"in no collective; its last was {describe(last)}, ended {gap}" if last else "in no collective yet"
-        lines.append(f"  rank {k}: {state}\n          at {s['site']}")
-    lines.append(cause)
+    lines = [f"{head} ({reason})" if head else reason]
+    lines += [_where(k, snaps.get(k), by_seq.get(k), first) for k in range(world_size)] + [cause]
     return (CollectiveStall if first is None else CollectiveMismatch)("\n".join(lines), culprit)
+
+
+def _where(k, snap, recs, first):
+    """Rank k's line: its collective (the first differing one, else its current one) and call site."""
+    if snap is None:
+        return f"  rank {k}: no record (gone)"
+    at = recs.get(first) or recs.get(snap["current"])
+    if at is not None:
+        state = f"in {describe(at)}"
+    elif recs:
+        gap = f"{snap['now'] - snap['idle']:.1f}s ago" if snap["idle"] else "never"
+        state = f"in no collective; its last was {describe(recs[max(recs)])}, ended {gap}"
+    else:
+        state = "in no collective yet"
+    return f"  rank {k}: {state}\n          at {snap['site']}"
 
 
 def _mismatch_cause(by_seq, first, odd):
@@ -278,7 +284,7 @@ class Tracer:
         self.compute = []           # (name, start, end, step) of unit forwards and backwards
         self.open = {}              # span name -> start, for spans still running
         self.spent = []             # the collectives of the traced steps, once tracing stops
-        self.flight.spans = []
+        self.flight.spans, self.flight.tracer = [], self
         os.makedirs(path, exist_ok=True)
         for u in units:
             u.module.register_forward_pre_hook(self._begin(u))

@@ -471,6 +471,11 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     return {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
 
 
+def _nbytes(device, *ts):
+    """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
+
+
 def peak_memory(device):
     """Measured peak bytes of this process: CUDA's max allocated on GPU, peak RSS on CPU."""
     if torch.device(device).type == "cuda":

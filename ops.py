@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flight
-from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed  # noqa: F401 (ops' names)
+from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed, call_site  # noqa: F401
 
 
 def _describe(kind, t):  # at most 64 characters: it travels as the processes' header
@@ -165,7 +165,9 @@ class ThreadWorld:
     def broken(self, rank, reason, stall=False, latch=True):
         """Raise the diagnosis from every rank's record; latch=True: the world is broken, so
         every rank's next collective raises (the others wake up through `failed`)."""
-        seq, deadline = self.flights[rank].seq, time.monotonic() + 0.5
+        me = self.flights[rank]
+        me.site = call_site(me.owner)  # (its thread may have ended by the time another rank looks)
+        seq, deadline = me.seq, time.monotonic() + 0.5
         while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
             time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
         snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
