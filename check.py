@@ -170,7 +170,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
     spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss, steps=steps,
-                jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn), state={k: v.clone() for k, v in model.state_dict().items()})
+                jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
+                state={k: v.clone() for k, v in model.state_dict().items()})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
     restore = _deterministic(device)
@@ -220,6 +221,8 @@ def random_modules(model, batch, loss_fn):
     try:
         with torch.no_grad():
             loss_fn(probe, batch)
+    except Exception:  # a model that fails: the run itself reports where, on its ranks
+        return []
     finally:
         torch.random.set_rng_state(state)
         for h in hooks:
@@ -271,7 +274,7 @@ def _rank(comm, stage, spec):
         before, grads, kept = dict(comm.sent), [], []
         for micro in range(engine.grad_accum):
             batch = _to(spec["make_batch"](step, comm.rank, micro), comm.device)
-            if spec["seeded"]:
+            if spec.get("seeded"):  # (a spec made elsewhere may not say)
                 torch.manual_seed(_seed(step, comm.rank, micro))
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
@@ -461,7 +464,7 @@ def _torch_grad(model, names, spec, step, n, accum, scale, device):
         for k in range(accum):
             model.zero_grad(set_to_none=True)
             batch = _to(spec["make_batch"](step, r, k), device)
-            if spec["seeded"]:
+            if spec.get("seeded"):  # (a spec made elsewhere may not say)
                 torch.manual_seed(_seed(step, r, k))
             (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
             for nm in names:

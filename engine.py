@@ -19,10 +19,10 @@ import torch
 
 import checkpoint
 from flight import Tracer
-from minizero import (DTYPES, Hyper, Place, Unit, _nbytes, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
+from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
-                      zero_update)
+                      zero_update, _nbytes)
 from offload import DiskState, check_offload, disk_update
 from ops import Pending, all_gather, broadcast
 

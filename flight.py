@@ -328,7 +328,8 @@ class Tracer:
             return
         for name in [k for k in self.open if k.startswith("backward")]:
             i = name.split()[-1]
-            self.compute.append((name, self.open.pop(name), self.open.pop(f"last grad {i}", time.perf_counter()), t - 1))
+            end = self.open.pop(f"last grad {i}", time.perf_counter())
+            self.compute.append((name, self.open.pop(name), end, t - 1))
         self.t = t
         self.write()
         if t >= self.steps:
@@ -346,11 +347,11 @@ class Tracer:
         for rec in self.flight.spans or self.spent:
             if rec[T1] is None:
                 continue
-            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)
+            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)  # whole
             name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
             out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
                             dur=(rec[T1] - rec[T0]) * 1e6,
-                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,  # the whole buffer
+                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,
                                       dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP], micro=rec[MICRO])))
         return out
 

@@ -278,7 +278,8 @@ class ProcessComm:
                 self.store.set(FAILED, reason)
         incident = "fail" if latch else f"x{self.flight.tag[0]}"
         snaps = flight.exchange_snapshots(self.store, self.flight, self.world_size, incident)
-        raise flight.diagnose(snaps, self.world_size, reason, self.rank, self.timeout.total_seconds() if stall else None)
+        raise flight.diagnose(snaps, self.world_size, reason, self.rank,
+                              self.timeout.total_seconds() if stall else None)
 
     def _guard(self, what, op):
         """Run op, which starts or finishes a transfer. Once a peer is gone, gloo raises in

@@ -50,7 +50,8 @@ def assert_names_the_eval(message, world_size):
     assert head, message
     assert f"rank 0: in #{head[1]} all_gather" in message and "forward gather (no grad)" in message
     for r in range(1, world_size):  # the others: the same collective number, their training forward
-        assert re.search(rf"rank {r}: in #{head[1]} all_gather of [\d,]+ float32, unit 0, forward gather, step 1", message)
+        assert re.search(rf"rank {r}: in #{head[1]} all_gather of [\d,]+ float32, unit 0, forward gather, step 1",
+                         message)
     assert EVAL_LINE in message and "_, loss = model(x, x)" in message  # each rank's call site
     assert "likely cause: rank 0 ran a forward the others did not" in message and "evaluation on one rank" in message
 
