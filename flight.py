@@ -238,7 +238,7 @@ def _mismatch_cause(by_seq, first, odd):
 FAILED = "minizero/failed"
 
 
-def exchange_snapshots(store, flight, world_size, incident, wait=3.0):
+def exchange_snapshots(store, flight, world_size, incident, wait=1.5):
     """Publish this rank's snapshot under `incident` and collect the others' (those that do
     not answer within `wait` seconds are left out: the diagnosis calls them gone)."""
     store.set(f"minizero/{incident}/{flight.rank}", pickle.dumps(flight.snapshot()))

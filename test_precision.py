@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cli
 import minizero
@@ -90,3 +91,41 @@ def test_planner_prints_the_formula():
     # the ZeRO paper's Figure 1: 7.5B parameters on 64 GPUs, 120 / 31.4 / 16.6 / 1.9 GB
     assert [line.split()[4] for line in lines[2:]] == ["120.00", "31.41", "16.64", "1.88"]
     assert minizero.model_state_bytes(64, 64, 3, torch.float32) == {"params": 4, "grads": 4, "optimizer": 8}
+
+
+# -----------------------------------------------------------------------------
+# the update rounds the same on the host (offload) as on a GPU (DESIGN.md §2)
+
+ALLOWED = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "sqrt", "full", "slice", "_to_copy"}
+
+
+class Recorder(TorchDispatchMode):
+    """Every aten call made inside it, with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls.append((func, args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("coef", [None, 0.5])
+def test_the_update_divides_only_by_tensors_on_its_device(coef):
+    """CUDA divides by a Python (or CPU) scalar as a multiply by its reciprocal, which may lose
+    a bit; the CPU divides. Offload's update on the host would then part from stage 0's on the
+    GPU. So every division in the update is by a tensor on the update's own device, and every
+    operation is one DESIGN.md §2 allows. Run on the meta device: a CPU scalar shows up there
+    as a tensor of another device, a Python one as a number."""
+    meta = torch.device("meta")
+    master, m, v, grad = (torch.empty(8, device=meta) for _ in range(4))
+    hp = minizero.Hyper(1e-2, (0.9, 0.999), 1e-8, 0.1, 0.25, None if coef is None else torch.full((), coef, device=meta))
+    with Recorder() as rec:
+        minizero.update(master, m, v, grad.bfloat16(), [(0, 3, 2, 0.999), (3, 8, 1, 1.0)], hp)
+    divisions = [(f, args) for f, args in rec.calls if f.overloadpacket.__name__ in ("div", "div_")]
+    assert len(divisions) == 4  # two per piece: by the bias correction, by the denominator
+    for f, (x, y, *_) in divisions:
+        assert torch.is_tensor(y) and y.device == x.device, f"{f} divides a tensor on {x.device} by {y!r}"
+    used = {f.overloadpacket.__name__ for f, _ in rec.calls}
+    assert used <= ALLOWED, f"the update uses {sorted(used - ALLOWED)}, which DESIGN.md §2 does not allow"
