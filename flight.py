@@ -219,15 +219,16 @@ def _mismatch_cause(by_seq, first, odd):
     mine = by_seq[odd[0]][first]
     other = next(by_seq[k][first] for k in by_seq if k not in odd and first in by_seq[k])
     ranks = "rank " + ", ".join(map(str, odd)) if len(odd) < 3 else f"ranks {odd}"
-    if mine[PHASE] == "forward gather" and (not mine[GRAD] or other[PHASE] != "forward gather" or other[GRAD]):
+    if mine[PHASE] == "forward gather" and (not mine[GRAD] and other[GRAD] or other[PHASE] != "forward gather"):
         return (f"likely cause: {ranks} ran a forward the others did not (at stage 3 every forward all-gathers "
                 f"each unit, so every rank must run it): evaluation on one rank (`if rank == 0: model(x)`) or a "
                 f"forward whose backward never came; run it on every rank (each on its own batch), or evaluate a "
                 f"copy made from engine.full_state_dict()")
     if mine[PHASE] != other[PHASE] or mine[UNIT] != other[UNIT]:
-        return (f"likely cause: the ranks' code took different paths ({ranks}: {mine[PHASE] or mine[KIND]}, the "
-                f"others: {other[PHASE] or other[KIND]}): a branch, a skipped step or micro-batch, or a module only "
-                f"some ranks run (at stage 3 it must share a unit with modules every rank runs)")
+        return (f"likely cause: the ranks' code took different paths ({ranks}: {mine[PHASE] or mine[KIND]} of unit "
+                f"{mine[UNIT]}, the others: {other[PHASE] or other[KIND]} of unit {other[UNIT]}): a branch, a skipped "
+                f"step or micro-batch, or a module only some ranks run (an MoE expert: at stage 3 it must share a "
+                f"unit with modules every rank runs, units=[...], or use stage 0-2)")
     return ("likely cause: the ranks called different collectives or sizes: every rank must call the same "
             "collectives, on the same sizes, in the same order")
 
