@@ -367,6 +367,15 @@ def test_strict_p2p_sends_only_when_received():
                     "float32 from rank 1; rank 1 is stuck in receive of p2p of (3,) float32 from rank 0", within=10.0)
 
 
+def test_strict_p2p_moves_only_tensors_on_the_ranks_device():
+    """NCCL moves only tensors on the rank's GPU (a host shard would fail there): thread ranks
+    on the meta device stand in for GPU ranks, a CPU tensor for a host one."""
+    def fn(comm):
+        return ops.all_gather(torch.ones(2, device=comm.device if comm.rank else "cpu"), comm)
+    _expect_failure(lambda: ops.run_threads(fn, 2, device="meta", strict_p2p=True), "rank 0 failed: ValueError",
+                    "has a tensor on cpu, but the ranks work on meta; NCCL moves only tensors on the rank's GPU")
+
+
 @pytest.mark.parametrize("case", ["kind", "size"])
 def test_mismatched_collectives_under_strict_p2p(case):
     def fn(comm):
