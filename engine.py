@@ -17,6 +17,7 @@ import weakref
 import torch
 
 import checkpoint
+from flight import Tracer
 from checkpoint import read_state, write_state
 from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
@@ -35,7 +36,8 @@ class Engine:
     def __init__(self, model, comm, stage, *, units=None, optimizer="adamw", lr=1e-3, weight_decay=0.0, decay=None,
                  dtype=torch.float32, grad_accum=1, clip=None, reduce_dtype=None, loss_scale=2.0 ** 16, init=None,
                  scale_window=1000, skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
-                 offload_params=False, pin_memory=True, overlap=True, native=None, shard_size=None, **options):
+                 offload_params=False, pin_memory=True, overlap=True, native=None, shard_size=None, trace=None,
+                 **options):
         check_engine_args(model, stage, dtype, grad_accum)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
@@ -91,6 +93,7 @@ class Engine:
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)  # this rank's own gradients all finite?
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
+        self.tracer = trace and Tracer(trace, comm, self.units)  # trace=DIR: a Chrome trace per rank
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
@@ -110,10 +113,11 @@ class Engine:
 
     # ---- communication runs on its own thread, in the order it is asked for
 
-    def _submit(self, job):
+    def _submit(self, job, phase="", u=None):
         """Run job() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks."""
+        thread runs them in that order, so they pair up across ranks (flight.py records when asked for)."""
+        job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, torch.is_grad_enabled()), job)
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
@@ -182,7 +186,8 @@ class Engine:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             if u.viewing is not u.flat:  # after gathered() they still view what it held
                 u.point(u.flat)
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards))
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards),
+                                     "backward regather" if self.in_backward else "forward gather", u)
         return u.pending
 
     def _release(self, u):
@@ -314,7 +319,7 @@ class Engine:
             else:  # the whole optimizer on every rank needs the whole gradient
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
                 u.reduced, u.full_grad = ddp_reduce(local, reduced, self.shards, self.replicas, last, out)
-        self.jobs.append(self._submit(job))
+        self.jobs.append(self._submit(job, "gradient reduction", u))
         if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
             self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
         u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
@@ -361,6 +366,7 @@ class Engine:
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.shards)
         hp = Hyper(self.lr, self.weight_decay, self.options, unscale, coef)
+        self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)  # (flight.py: the all-gathers below)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
@@ -373,6 +379,7 @@ class Engine:
                 else:
                     ddp_update(u.flat, u.master, u.state, u.full_grad, runs(u, hp), hp, u.whole)
         self.t += 1
+        self.comm.flight.stepped(self.t)  # (the phase above is over; Engine(trace=...) writes its file)
         self.skips_in_row = 0
         self._drop_grads()
         if self.dtype == torch.float16:

@@ -517,7 +517,7 @@ def offloaded_held(units, device, disk):
 
 
 def _nbytes(device, *ts):
-    """Bytes of those of ts (None skipped) that live on device."""
+    """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
     return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
 def peak_memory(device):
     """Measured peak bytes of this process: CUDA's max allocated on GPU, peak RSS on CPU."""
