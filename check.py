@@ -472,11 +472,12 @@ def _referee(row, model, ranks, spec, n, tol, device):
     worst, lr = [0.0, 0.0], kw.get("lr", 1e-3)
     state = run["initial"]
     for step, h in enumerate(run["hist"]):
-        if not h["stepped"]:  # skipped for a non-finite gradient, as torch's GradScaler: nothing moves
+        if not h["stepped"]:  # skipped for a non-finite gradient, as torch's GradScaler: no parameter moves
             row.skipped += 1
-            for nm in h["state"]:
+            for nm in h["state"].keys() - {nm for nm, _ in model.named_buffers()}:
                 found = _diff(None, "referee-skip", h["state"][nm], state[nm], nm, 0, step, None, n, 0)
                 row.first = row.first or found
+            state = h["state"]  # (the buffers moved: the forward ran)
             continue
         row.refereed += 1
         mean = _engine_grad(ranks, step, n)
