@@ -126,7 +126,7 @@ def cases(draw):
 
 def make(c):
     """The model (built once: check starts rank 0 from it, and ranks 1.. from other values)
-    and the batches: batches[step][micro][rank] = (x, y, whether the side layer runs)."""
+    and the batches: batches[step][micro][rank] = (x, y[, whether the side layer runs])."""
     g = torch.Generator().manual_seed(c["seed"])
     model = Net(c["vocab"], c["widths"], c["bias"], c["tie"], c["frozen"], c.get("tie_layers", False),
                 c.get("side") is not None, c.get("stat", False))
@@ -134,7 +134,7 @@ def make(c):
         p.data = torch.randn(p.shape, generator=g) * 0.5
     def micro():
         x, y = (torch.randint(0, c["vocab"], (c["batch"], c["seq"]), generator=g) for _ in range(2))
-        return x, y, c.get("side") is not None and float(torch.rand((), generator=g)) < c["side"]
+        return (x, y) if c.get("side") is None else (x, y, float(torch.rand((), generator=g)) < c["side"])
     batches = [[[micro() for _ in range(c["world_size"])]
                 for _ in range(c["grad_accum"])] for _ in range(c["steps"])]
     return model, batches
@@ -254,8 +254,10 @@ def _spec(c):
 
 
 def torch_ddp(comm, c):
-    """Stage 0's case under torch.nn.parallel.DistributedDataParallel and torch AdamW."""
+    """Stage 0's case under torch.nn.parallel.DistributedDataParallel and torch AdamW, from
+    ranks built with other values (as check._rank builds ours): DDP broadcasts rank 0's."""
     model, batches = make(c)
+    check._perturb(model, comm.rank)
     ddp = nn.parallel.DistributedDataParallel(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     kw = c["engine"]
