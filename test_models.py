@@ -170,6 +170,26 @@ def test_parameters_skipped_on_some_steps_and_ranks():
     assert expert_steps == [[2, 2], [2, 2], [1, 1]]
 
 
+def test_stage3_prefetches_the_next_unit_of_the_first_pass():
+    """Stage 3 with overlap: from the second pass on, while a block runs, its unit and the
+    next block's (prefetched in the order the first pass used them) are gathered or on their
+    way, and the root's, which the whole forward runs in; the blocks before are released."""
+    def body(comm):
+        model = build()
+        engine = minizero.Engine(model, comm, 3)
+        seen = []
+        for i, block in enumerate(model.blocks):  # (after the engine's own gather hook)
+            block.register_forward_pre_hook(lambda m, args, i=i: seen.append(
+                (i, [u.index for u in engine.units if u.pending is not None])))
+        for step in range(2):
+            engine.backward(model(**batch(step, comm.rank, 0)).loss)
+            engine.step()
+        return seen[3:], [[u.index for u in order] for order in (engine.fwd_order, engine.bwd_order)]
+    for seen, orders in ops.run_threads(body, 2):
+        assert seen == [(0, [0, 1, 2]), (1, [0, 2, 3]), (2, [0, 3])]
+        assert orders == [[0, 1, 2, 3], [0, 3, 2, 1]]  # backward's own order: the root's loss first, then the blocks
+
+
 def test_stage3_units_that_only_some_ranks_run_are_a_clear_error():
     """Each expert its own unit: rank 0 would gather expert 0 while the others gather expert 1."""
     with pytest.raises(RuntimeError, match="the ranks gathered or reduced different units"):
