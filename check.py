@@ -51,8 +51,9 @@ from typing import Optional
 import torch
 
 import ops
+import referee as torch_referee
 from engine import Engine
-from minizero import (cast_floats, comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
+from minizero import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
                       offloaded_bytes)
 
 KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
@@ -163,7 +164,8 @@ def default_loss(model, batch):
 
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
-          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, **engine_kw):
+          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, strict_p2p=False,
+          **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -171,7 +173,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     grad_accum, clip, ...; units may be a function of the model). processes=True runs
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
-    with torch's deterministic algorithms, as equal bits need equal local compute."""
+    with torch's deterministic algorithms, as equal bits need equal local compute.
+    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
     device = torch.device(device or "cpu")
@@ -184,6 +187,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine options to "
                              f"each rank, so they must be importable functions, not lambdas or locals: {e}")
+    if device.type == "cuda":  # before make_model may start cuBLAS
+        os.environ.setdefault(*CUBLAS)
     model = make_model()
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
@@ -206,7 +211,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                                                         backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
                         runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
-                                                  timeout=timeout)
+                                                  timeout=timeout, strict_p2p=strict_p2p)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
                     row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
                     report.rows.append(row)
@@ -214,7 +219,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 row.seconds = time.perf_counter() - t0
                 _compare(row, runs[s], runs.get(0) if s else None, n, s, buffers, initial)
                 if s == 0 and referee:
-                    _referee(row, model, runs[0], spec, n, report.tol, device)
+                    torch_referee.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -222,14 +227,21 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     return report
 
 
+CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting, read when cuBLAS starts
+
+
 def _deterministic(device):
-    """On CUDA, switch on torch's deterministic kernels (some, like index_add, sum with
-    atomics in a different order each run); returns what puts the settings back."""
+    """On CUDA, torch's deterministic kernels only: some (index_add, ...) sum with atomics in
+    a different order each run, and a kernel with no deterministic version (flash attention's
+    backward) raises, naming itself, instead of letting the stages differ for a reason that is
+    not the engine's. cuBLAS reads its variable once, when it starts: check() sets it before
+    any CUDA work, in the parent before it spawns ranks (they inherit it), and each spawned
+    rank switches the kernels on before it builds its model. Returns what puts them back."""
     if device.type != "cuda":
         return lambda: None
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting
-    torch.use_deterministic_algorithms(True, warn_only=True)  # a kernel with no such version warns
+    os.environ.setdefault(*CUBLAS)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
@@ -241,6 +253,7 @@ def _rank(comm, stage, spec):
     if "model" in spec:  # threads: a copy of the one model
         model = copy.deepcopy(spec["model"]).to(comm.device)
     else:                # processes: build it, then take the parent's values
+        _deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
     _perturb(model, comm.rank)
@@ -448,114 +461,3 @@ def _ulps(a, b):
         i = t.contiguous().view(ints).long()
         return torch.where(i < 0, -(i & (2 ** (8 * a.element_size() - 1) - 1)), i)
     return int((ordered(a) - ordered(b)).abs().max())
-
-
-def _referee(row, model, ranks, spec, n, tol, device):
-    """Stage 0 against torch, step by step, on the ranks' device. Gradient: torch's at the
-    engine's parameters before the step, over every rank's micro-batches with the loss
-    averaged as the engine averages it. Update: torch.optim.AdamW given the engine's own
-    mean gradient."""
-    kw, run = spec["engine_kw"], ranks[0]
-    dtype = kw.get("dtype", torch.float32)  # torch's gradient in the engine's compute dtype
-    grad_model, upd_model = copy.deepcopy(model).to(device, dtype), copy.deepcopy(model).to(device).float()
-    grad_model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
-    upd_model.load_state_dict(run["initial"])
-    names = [nm for names, *_ in run["layout"] for nm in names]
-    decay = kw.get("decay")
-    params = [upd_model.get_parameter(nm) for nm in names]
-    groups = [{"params": [p for nm, p in zip(names, params) if decay is None or decay(nm, p)]},
-              {"params": [p for nm, p in zip(names, params) if not (decay is None or decay(nm, p))],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=kw.get("lr", 1e-3),
-                            betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
-                            weight_decay=kw.get("weight_decay", 0.0))
-    worst, lr = [0.0, 0.0], kw.get("lr", 1e-3)
-    state = run["initial"]
-    for step, h in enumerate(run["hist"]):
-        if not h["stepped"]:  # skipped for a non-finite gradient, as torch's GradScaler: no parameter moves
-            row.skipped += 1
-            for nm in h["state"].keys() - {nm for nm, _ in model.named_buffers()}:
-                found = _diff(None, "referee-skip", h["state"][nm], state[nm], nm, 0, step, None, n, 0)
-                row.first = row.first or found
-            state = h["state"]  # (the buffers moved: the forward ran)
-            continue
-        row.refereed += 1
-        mean = _engine_grad(ranks, step, n)
-        grad_model.load_state_dict(state)
-        total, size = _torch_grad(grad_model, names, spec, step, n, run["grad_accum"], h["scale"], device)
-        scale = max(float(size[nm].nan_to_num(0, 0, 0).max()) for nm in names if size[nm].numel()) + 1e-30
-        for nm, used in zip(names, [x for u in h["used"] for x in u]):
-            gap = _gap(mean[nm], total[nm])
-            rel = float(gap.max()) / scale if gap.numel() else 0.0
-            worst[0] = max(worst[0], rel)
-            if rel > tol[0] and row.first is None:
-                row.first = _referee_divergence("referee-grads", mean[nm], total[nm], gap, nm, step, n)
-            upd_model.get_parameter(nm).grad = mean[nm].clone() if used else None
-        if kw.get("clip") is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], kw["clip"])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        for nm, p in zip(names, params):
-            ours, theirs = h["state"][nm], p.detach()
-            gap = _gap(ours, theirs) / (theirs.abs().nan_to_num(0, 0, 0) + lr)
-            err = float(gap.max())
-            worst[1] = max(worst[1], err)
-            if err > tol[1] and row.first is None:
-                row.first = _referee_divergence("referee-update", ours, theirs, gap, nm, step, n)
-        state = h["state"]
-    row.referee = tuple(worst)
-
-
-def _gap(ours, theirs):
-    """|ours - theirs|, 0 where both hold the same NaN or inf, inf where only one is non-finite."""
-    same = (ours == theirs) | (ours.isnan() & theirs.isnan())
-    return torch.where(same, 0.0, (ours.float() - theirs.float()).abs().nan_to_num(float("inf")))
-
-
-def _torch_grad(model, names, spec, step, n, accum, scale, device):
-    """torch's mean gradient, computed as the engine computes it: one backward per rank
-    and micro-batch, each loss times scale/accum in the compute dtype, summed in fp32,
-    then divided by N·scale. Also the sum of |contributions|: the scale of its rounding.
-    Buffers as DDP has them: every rank's forward reads rank 0's, as its last forward left them."""
-    total = {nm: torch.zeros_like(model.get_parameter(nm), dtype=torch.float32) for nm in names}
-    size = {nm: torch.zeros_like(t) for nm, t in total.items()}
-    buffers = list(model.buffers()) if spec["engine_kw"].get("broadcast_buffers", True) else []
-    for k in range(accum):
-        start = [b.clone() for b in buffers]  # rank 0's, broadcast before each rank's forward
-        for r in range(n):
-            for b, x in zip(buffers, start):
-                b.copy_(x)
-            model.zero_grad(set_to_none=True)
-            batch = _to(spec["make_batch"](step, r, k), device)
-            (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
-            for nm in names:
-                g = model.get_parameter(nm).grad
-                if g is not None:
-                    total[nm] += g.float()
-                    size[nm] += g.float().abs()
-            after = [b.clone() for b in buffers] if r == 0 else after  # what rank 0's forward left
-        for b, x in zip(buffers, after):
-            b.copy_(x)
-    return ({nm: t / (n * scale) for nm, t in total.items()}, {nm: t / (n * scale) for nm, t in size.items()})
-
-
-def _cast_inputs(dtype):  # as the engine casts its model's inputs
-    return lambda module, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype))
-
-
-def _engine_grad(ranks, step, n):
-    """Stage 0's mean gradient of a step, per parameter name: every rank's reduced shard
-    after the last micro-batch, concatenated, times 1/(N · loss scale)."""
-    out, h = {}, ranks[0]["hist"][step]
-    for ui, (names, offsets, sizes, _) in enumerate(ranks[0]["layout"]):
-        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(n)]).float() / (n * h["scale"])
-        for nm, o, k in zip(names, offsets, sizes):
-            out[nm] = full[o:o + k].view(h["state"][nm].shape)
-    return out
-
-
-def _referee_divergence(what, ours, theirs, gap, name, step, n):
-    x, y = ours.double().reshape(-1), theirs.double().reshape(-1)
-    i = int(gap.reshape(-1).argmax())
-    return Divergence(what, n, 0, step, None, 0, name, i, float(x[i]), float(y[i]),
-                      float(_gap(ours, theirs).max()), _ulps(ours.float(), theirs.float()))

@@ -11,14 +11,16 @@ the units, the world size (1-5, mostly 2 and more), steps (mostly several), grad
 accumulation, clipping (mostly biting), learning rate, weight decay with or without a
 decay mask, eps, compute dtype (fp16 with a loss scale that lets steps run, or one that
 overflows), an fp32 reduction, overlap, random delays in the communication, torch's own
-collectives, and the optimizer state offloaded to disk or to host memory. check starts
+collectives, the optimizer state offloaded to disk or to host memory, and whether the
+thread ranks follow NCCL's point-to-point rules (strict_p2p). check starts
 ranks 1.. from other values than rank 0. The CI profile runs 200 derandomized examples;
 ranks are threads, so they take a minute or two. A few fixed cases rerun on real gloo
 processes and must give the same bits, and stage 0 is held against torch's
 DistributedDataParallel there, from ranks built with other values too.
 
 MINIZERO_DEVICE=cuda runs the suite with every thread rank on one GPU, each on its own
-stream (the gloo process tests are CPU ranks: they run with the default, cpu).
+stream (the gloo process tests are CPU ranks: they run with the default, cpu);
+MINIZERO_STRICT_P2P=1 runs every example under NCCL's point-to-point rules.
 """
 import copy
 import tempfile
@@ -101,7 +103,8 @@ def cases(draw):
              stat=draw(st.integers(0, 3)) == 0,
              steps=draw(st.sampled_from([2, 3, 1, 2])), grad_accum=draw(st.sampled_from([1, 2, 3, 1])),
              batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)),
-             dtype=DTYPES[dtype], jitter=draw(st.booleans()))
+             dtype=DTYPES[dtype], jitter=draw(st.booleans()),
+             strict_p2p=draw(st.booleans()))  # half the examples under NCCL's point-to-point rules
     # eps 1e-3 lets the referee see a missing mean over ranks (Adam is scale-invariant but for eps)
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
                        eps=draw(st.sampled_from([1e-8, 1e-3])),
@@ -145,7 +148,8 @@ def run_check(c, **kw):
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
                           world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
-                          stages=(0, 1, 2) if apart else (0, 1, 2, 3), **{**c["engine"], **kw})
+                          stages=(0, 1, 2) if apart else (0, 1, 2, 3), strict_p2p=c.get("strict_p2p", False),
+                          **{**c["engine"], **kw})
 
 
 def assert_same(a, b):
