@@ -56,7 +56,7 @@ from engine import Engine
 from minizero import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
                       offloaded_bytes)
 
-KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
+KEPT = ("reduce_scatter", "all_gather", "all_reduce")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
 UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engine's own gradient
 
@@ -170,13 +170,17 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, ...; units may be a function of the model). processes=True runs
+    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True runs
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
+    S = engine_kw.get("shard_size")  # hybrid sharding: every stage, stage 0 included, at that S
+    if S is not None and any(n % S for n in world_sizes):
+        raise ValueError(f"shard_size={S} must divide every world size, and world_sizes={tuple(world_sizes)}; "
+                         f"give multiples of it, like world_sizes={(S, 2 * S)}")
     device = torch.device(device or "cpu")
     if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
         raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size {max(world_sizes)} "
@@ -270,8 +274,11 @@ def _rank(comm, stage, spec):
     if kw.get("broadcast_buffers", True):
         model.register_forward_pre_hook(lambda m, args: seen.append(
             {n: b.detach().clone() for n, b in m.named_buffers()}) if torch.is_grad_enabled() else None)
-    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size) for u in engine.units]
-    out = dict(layout=layout, grad_accum=engine.grad_accum, initial=engine.full_state_dict(), hist=[], **formula)
+    # (a unit's layout, and where this rank's chunk starts in it)
+    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
+              for u in engine.units]
+    out = dict(layout=layout, shard_size=engine.shards.world_size, grad_accum=engine.grad_accum,
+               initial=engine.full_state_dict(), hist=[], **formula)
     for step in range(spec["steps"]):
         before, grads, kept, read = dict(comm.sent), [], [], []
         for micro in range(engine.grad_accum):
@@ -313,10 +320,11 @@ def _formulas(model, n, stage, kw):
     units = default_units(model) if kw.get("units") is None else kw["units"]
     numel = sum(-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units)[0])
     dtype, offload, params = kw.get("dtype", torch.float32), kw.get("offload"), kw.get("offload_params", False)
-    layout = numel, n, stage, dtype
+    S = kw.get("shard_size") or n  # (hybrid sharding: a unit is cut S ways, and R = N/S replicas)
+    layout = numel, S, stage, dtype
     return dict(formula=_memory(model_state_bytes(*layout, offload, params, kw.get("reduce_dtype")),
                                 offloaded_bytes(*layout, offload, params)),
-                bytes=comm_bytes_per_step(*layout, kw.get("grad_accum", 1), kw.get("reduce_dtype")))
+                bytes=comm_bytes_per_step(*layout, kw.get("grad_accum", 1), kw.get("reduce_dtype"), n // S))
 
 
 def _memory(resident, offloaded):
@@ -405,11 +413,11 @@ def _compare(row, ranks, base, n, stage, buffers, initial):
 
 
 def _chunk(theirs, mine, layout, n, r, what=None):
-    """Stage 0's whole buffer, cut as this stage keeps it (a shard: chunk r), and where to
-    name an element of it: (tensor, (names, offsets, sizes, shard size, what))."""
+    """Stage 0's whole buffer, cut as this stage keeps it (a shard: its chunk), and where to
+    name an element of it: (tensor, (names, offsets, sizes, where the chunk starts, what))."""
     names, offsets, sizes, s = layout
-    if mine.numel() < theirs.numel():  # a shard: against chunk r of stage 0's
-        return theirs.view(n, -1)[r], (names, offsets, sizes, s, what)
+    if mine.numel() < theirs.numel():  # a shard: against its chunk of stage 0's
+        return theirs[s:s + mine.numel()], (names, offsets, sizes, s, what)
     return theirs, (names, offsets, sizes, 0, what)  # whole buffers: element i is element i
 
 
@@ -431,7 +439,7 @@ def _bytes(run, stage, stepped):
 
 def _diff(row, what, a, b, where, rank, step, micro, n, stage):
     """None if a and b are the same bits; else a Divergence at their first difference.
-    where is a parameter's name, or a unit's layout (names, offsets, sizes, shard size)."""
+    where is a parameter's name, or a unit's layout (names, offsets, sizes, where a's chunk starts)."""
     if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) \
             and torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0)):  # NaN where NaN
         return None
@@ -444,7 +452,7 @@ def _diff(row, what, a, b, where, rank, step, micro, n, stage):
     name, index = where, i
     if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
         names, offsets, sizes, s, *what_of = where
-        g = rank * s + i
+        g = s + i
         name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
                            ("padding", g))
         name += f" ({what_of[0]})" if what_of and what_of[0] else ""

@@ -106,11 +106,11 @@ def _cast_inputs(dtype):  # as the engine casts its model's inputs
 
 
 def _engine_grad(ranks, step, n):
-    """Stage 0's mean gradient of a step, per parameter name: every rank's reduced shard
-    after the last micro-batch, concatenated, times 1/(N · loss scale)."""
-    out, h = {}, ranks[0]["hist"][step]
+    """Stage 0's mean gradient of a step, per parameter name: the reduced shards of one
+    shard group (ranks 0..S-1) after the last micro-batch, concatenated, times 1/(N · loss scale)."""
+    out, h, S = {}, ranks[0]["hist"][step], ranks[0]["shard_size"]
     for ui, (names, offsets, sizes, _) in enumerate(ranks[0]["layout"]):
-        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(n)]).float() / (n * h["scale"])
+        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(S)]).float() / (n * h["scale"])
         for nm, o, k in zip(names, offsets, sizes):
             out[nm] = full[o:o + k].view(h["state"][nm].shape)
     return out

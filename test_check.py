@@ -80,8 +80,8 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
     decay = dict(decay=lambda name, p: p.dim() >= 2, weight_decay=0.5)
     assert run(world_sizes=(2,), **decay).ok
     real = engine.Unit
-    monkeypatch.setattr(engine, "Unit", lambda module, named, comm, dtype, sharded, decays, place:
-                        real(module, named, comm, dtype, sharded, [True] * len(decays), place))
+    monkeypatch.setattr(engine, "Unit", lambda module, named, comm, shards, dtype, sharded, decay, place:
+                        real(module, named, comm, shards, dtype, sharded, None, place))
     first = run(world_sizes=(2,), stages=(0,), **decay).first
     assert first.what == "referee-update" and first.name in ("gate", "layers.0.bias", "head.bias", "layers.1.bias")
 
