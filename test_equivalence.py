@@ -148,8 +148,8 @@ def run_check(c, **kw):
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
                           world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
-                          stages=(0, 1, 2) if apart else (0, 1, 2, 3), strict_p2p=c.get("strict_p2p", False),
-                          **{**c["engine"], **kw})
+                          strict_p2p=c.get("strict_p2p", False),
+                          **{"stages": (0, 1, 2) if apart else (0, 1, 2, 3), **c["engine"], **kw})
 
 
 def assert_same(a, b):
