@@ -89,6 +89,8 @@ def _torch_grad(model, names, spec, step, n, accum, scale, device):
                 b.copy_(x)
             model.zero_grad(set_to_none=True)
             batch = check._to(spec["make_batch"](step, r, k), device)
+            if spec.get("seeded"):  # (a spec made elsewhere may not say)
+                torch.manual_seed(check._seed(step, r, k))
             (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
             for nm in names:
                 g = model.get_parameter(nm).grad
