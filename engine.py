@@ -117,7 +117,8 @@ class Engine:
         """Run job() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
         thread runs them in that order, so they pair up across ranks (flight.py records when asked for)."""
-        job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, torch.is_grad_enabled()), job)
+        grad = torch.is_grad_enabled() or phase == "gradient reduction"  # (a reduction is the same collective
+        job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, grad), job)  # in autograd or after)
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
@@ -448,11 +449,12 @@ class Engine:
 
     def memory(self):
         """Bytes of model state this rank holds on its device at a step's update, by category."""
-        return held_bytes(self.units, self.device, self.sharded, self.dtype, self.reduce_dtype)
+        return held_bytes(self.units, self.device, self.sharded, self.dtype, self.reduce_dtype,
+                          self.offload, self.offload_params)
 
     def offloaded(self):
         """{where: bytes} of this rank's model state off its device: "cpu", or "disk" (files: twice this)."""
-        return offloaded_held(self.units, self.device, self.disk)
+        return offloaded_held(self.units, self.disk, self.offload, self.offload_params)
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""

@@ -154,7 +154,7 @@ class Place(NamedTuple):
     def host(self, t, where):
         if where != "cpu":
             return t
-        t = t.cpu()
+        t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
         return t.pin_memory() if self.pin else t
 
 
@@ -494,26 +494,29 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
     return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
-def held_bytes(units, device, sharded, dtype, reduce_dtype):
+def held_bytes(units, device, sharded, dtype, reduce_dtype, offload=None, offload_params=False):
     """Measured: bytes of model state the units hold on `device` at a step's update, by
     category. Stages 2-3's reduced gradient shards live only from a step's first reduction
-    to its update: between steps, count the ones the next step makes."""
+    to its update: between steps, count the ones the next step makes. On a CPU run what
+    offload keeps in host memory is on "the device" too: offloaded_held counts it."""
     params = grads = opt = 0
     own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
+    cpu = device.type == "cpu"
     for u in units:
-        params += _nbytes(device, u.shard if sharded["params"] else u.flat)
+        params += 0 if cpu and offload_params else _nbytes(device, u.shard if sharded["params"] else u.flat)
         if not sharded["grads"]:
             grads += _nbytes(device, u.grad)
         else:
             grads += _nbytes(device, u.reduced) if u.reduced is not None else u.shard_size * reduce_dtype.itemsize
-        opt += _nbytes(device, *(u.state or {}).values(), u.master if own else None)
+        opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(), u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
-def offloaded_held(units, device, disk):
-    """Measured: {where: bytes} of the units' state kept off `device`: "cpu" or "disk"."""
-    host = sum(_nbytes(torch.device("cpu"), u.master, *(u.state or {}).values(), u.shard) for u in units)
-    return {**({"disk": disk.nbytes()} if disk else {}), **({"cpu": host} if device.type != "cpu" and host else {})}
+def offloaded_held(units, disk, offload=None, offload_params=False):
+    """Measured: {where: bytes} of the units' state kept off the device: "cpu" or "disk"."""
+    host = sum(_nbytes(torch.device("cpu"), *([u.master, *(u.state or {}).values()] if offload == "cpu" else []),
+                       u.shard if offload_params else None) for u in units)
+    return {**({"disk": disk.nbytes()} if disk else {}), **({"cpu": host} if host else {})}
 
 
 def _nbytes(device, *ts):

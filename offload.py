@@ -46,11 +46,11 @@ def check_offload(stage, offload, offload_dir, offload_params):
 
 def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
     """Where the units' state lives (minizero.Place), its disk files made if on disk. On a
-    CPU run, offload to "cpu" moves nothing: say so once, and change nothing."""
+    CPU run, offload to "cpu" frees nothing: say so once, and run the host path anyway
+    (separate copies, the same arithmetic as on a GPU: so it is tested on CPUs)."""
     if device.type == "cpu" and (offload == "cpu" or offload_params):
-        warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
-                      "so nothing moves; offload='disk' is the one that frees RAM here")
-        offload, offload_params = (None if offload == "cpu" else offload), False
+        warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so it frees "
+                      "nothing (the same bits, a little slower); offload='disk' is the one that frees RAM here")
     return Place(offload or "device", "cpu" if offload_params else "device", pin_memory and device.type == "cuda",
                  DiskState(offload_dir, tag) if offload == "disk" else None)
 
