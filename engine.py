@@ -78,9 +78,12 @@ class Engine:
         self.trace = 0                          # a hash of the units this rank gathered and reduced
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
         # one communication thread per rank runs collectives in the order they are asked
-        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
+        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream);
+        # one rank sends nothing, so it has nothing to overlap and no thread to hand jobs to
+        overlap = overlap and comm.world_size > 1
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
+        self.last = None                        # the job submitted last: once it is done, all are
 
         modules = default_units(model) if units is None else list(units)
         groups, cross = group_params(model, modules)
@@ -136,7 +139,8 @@ class Engine:
             out = job()
             return Pending(lambda: out)
         if self.side is None:
-            return Pending(self.pool.submit(job).result)
+            self.last = Pending(self.pool.submit(job).result)
+            return self.last
         ready = torch.cuda.Event()
         ready.record()  # GPU: the side stream waits for the compute that made the inputs
 
@@ -146,15 +150,17 @@ class Engine:
                 out = job()
                 self.side.synchronize()
                 return out
-        return Pending(self.pool.submit(on_side_stream).result)
+        self.last = Pending(self.pool.submit(on_side_stream).result)
+        return self.last
 
     def _drain(self):
         """Wait until the communication thread is idle: after this, collectives may run inline."""
         for job in self.jobs:
             job.wait()  # re-raises a failed collective here
         self.jobs = []
-        if self.pool is not None:
-            self.pool.submit(lambda: None).result()
+        if self.last is not None:  # (one thread runs them in order)
+            self.last, last = None, self.last
+            last.wait()
 
     # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
 
@@ -397,26 +403,27 @@ class Engine:
         rank gathered and reduced the same units (else their collectives paired wrongly);
         which parameters got a gradient on any rank in any micro-batch (DDP's unused-parameter
         rule); whether any gradient went non-finite, in a rank's own gradient or in the sum.
-        Returns None if all is finite, else the ranks whose own gradient was not."""
-        mine = [float(self.trace), float(not self.finite),
-                float(not all(torch.isfinite(u.reduced.sum(dtype=torch.float32)) for u in self.units))]
-        mine += [float(x) for u in self.units for x in u.used]
-        flags = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.comm, kind="flags")
-        flags, self.trace = flags.view(self.comm.world_size, -1).cpu(), 0
-        if (flags[:, 0] != flags[0, 0]).any():
+        Returns None if all is finite, else the ranks whose own gradient was not. The
+        flags are read once: the step's one host read of a device value (a GPU's queue drains)."""
+        sums = torch.stack([u.reduced.sum(dtype=torch.float32) for u in self.units])
+        bad = torch.stack([~self.finite, ~sums.isfinite().all()]).double()  # computed where they are
+        mine = [float(self.trace)] + [float(x) for u in self.units for x in u.used]
+        mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=self.device)])
+        flags = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist()
+        self.trace = 0
+        if any(f[2] != flags[0][2] for f in flags):
             self._drop_grads()
             raise RuntimeError(
                 f"step {self.t + 1}: the ranks gathered or reduced different units, so their collectives paired "
                 f"up wrongly and nothing was updated. At stage 3 each rank gathers the units its forward runs: "
                 f"a module that only some ranks run (an MoE expert, a branch) must share a unit with modules "
                 f"every rank runs (units=[...], e.g. a whole MoE layer as one unit), or use stage 0-2")
-        flags = flags[:, 1:]
-        used = iter(flags[:, 2:].amax(0).bool().tolist())
+        used = iter(any(col) for col in zip(*(f[3:] for f in flags)))
         for u in self.units:
             u.used = [next(used) for _ in u.params]
         self.finite.fill_(True)
-        if flags[:, :2].any():
-            return [k for k in range(self.comm.world_size) if flags[k, 0]]
+        if any(f[0] or f[1] for f in flags):
+            return [k for k, f in enumerate(flags) if f[0]]
         return None
 
     def _skip(self, bad):

@@ -288,14 +288,23 @@ def runs(u, lo, hi, hp):
     return out
 
 
+BLOCK = 2 ** 16  # CPU: AdamW makes ~15 passes; over 256 KiB blocks they stay in cache (~2x faster)
+
+
 def update(master, m, v, grad, pieces, hp):
     """AdamW on one range of a unit (the whole buffer, or this rank's chunk): grad is
-    the reduced gradient sum there; master, m and v are updated in place."""
-    g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
-    if hp.coef is not None:
-        g = g * hp.coef.to(g.device)
+    the reduced gradient sum there; master, m and v are updated in place. Elementwise,
+    so on the CPU it runs block by block: the same bits, a fraction of the memory traffic."""
+    grad = grad.to(master.device)  # (offloaded: the update runs on the host)
+    coef = None if hp.coef is None else hp.coef.to(master.device)
     for a, b, t, decay in pieces:
-        adamw(master[a:b], g[a:b], m[a:b], v[a:b], t, hp.lr, *hp.betas, hp.eps, decay)
+        step = BLOCK if master.is_cpu else b - a  # (a GPU: one launch per op, whole)
+        for lo in range(a, b, step):
+            hi = min(b, lo + step)
+            g = grad[lo:hi].float()
+            g = g if hp.unscale == 1 else g * hp.unscale  # (x·1 is x: one rank, no loss scale)
+            g = g if coef is None else g * coef
+            adamw(master[lo:hi], g, m[lo:hi], v[lo:hi], t, hp.lr, *hp.betas, hp.eps, decay)
 
 
 def reduce_grads(local, reduced, comm):
@@ -310,7 +319,11 @@ def ddp_reduce(local, reduced, comm, last, out=None):
     """Stage 0: DDP's all-reduce, cut in two around accumulation. Reduce-scatter every
     micro-batch; after the last, all-gather the summed shard so every rank holds the
     whole reduced gradient ((N-1)/N·Ψ_u more). -> (reduced shard, whole or None). On
-    torch's collectives one micro-batch is one native all-reduce instead."""
+    torch's collectives one micro-batch is one native all-reduce instead. One rank: its
+    gradient is the sum, and nothing moves (its bucket is overwritten only after the step)."""
+    if comm.world_size == 1:
+        reduced = (local if last else local.clone()) if reduced is None else reduced + local
+        return reduced, (reduced if last else None)
     if last and reduced is None and comm.native:
         full = all_reduce(local, comm)
         return full.view(comm.world_size, -1)[comm.rank], full
