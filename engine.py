@@ -77,9 +77,8 @@ class Engine:
         self.next = 0                           # the next unit, in self.order, to reduce
         self.trace = 0                          # a hash of the units this rank gathered and reduced
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
-        # one communication thread per rank runs collectives in the order they are asked
-        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream);
-        # one rank sends nothing, so it has nothing to overlap and no thread to hand jobs to
+        # one communication thread per rank runs collectives in the order they are asked for, so they
+        # pair up across ranks while autograd goes on (GPU: on a side stream); one rank sends nothing
         overlap = overlap and comm.world_size > 1
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
@@ -138,29 +137,24 @@ class Engine:
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
-        if self.side is None:
-            self.last = Pending(self.pool.submit(job).result)
-            return self.last
-        ready = torch.cuda.Event()
-        ready.record()  # GPU: the side stream waits for the compute that made the inputs
+        if self.side is not None:
+            ready, compute = torch.cuda.Event(), job
+            ready.record()  # GPU: the side stream waits for the compute that made the inputs
 
-        def on_side_stream():
-            with torch.cuda.stream(self.side):
-                self.side.wait_event(ready)
-                out = job()
-                self.side.synchronize()
-                return out
-        self.last = Pending(self.pool.submit(on_side_stream).result)
+            def job():
+                with torch.cuda.stream(self.side):
+                    self.side.wait_event(ready)
+                    out = compute()
+                    self.side.synchronize()
+                    return out
+        self.last = Pending(self.pool.submit(job).result)
         return self.last
 
     def _drain(self):
-        """Wait until the communication thread is idle: after this, collectives may run inline."""
-        for job in self.jobs:
+        """Wait until the communication thread is idle (its last job is done): collectives may then run inline."""
+        jobs, self.jobs, self.last = [j for j in (*self.jobs, self.last) if j is not None], [], None
+        for job in jobs:
             job.wait()  # re-raises a failed collective here
-        self.jobs = []
-        if self.last is not None:  # (one thread runs them in order)
-            self.last, last = None, self.last
-            last.wait()
 
     # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
 
@@ -409,8 +403,7 @@ class Engine:
         bad = torch.stack([~self.finite, ~sums.isfinite().all()]).double()  # computed where they are
         mine = [float(self.trace)] + [float(x) for u in self.units for x in u.used]
         mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=self.device)])
-        flags = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist()
-        self.trace = 0
+        flags, self.trace = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist(), 0
         if any(f[2] != flags[0][2] for f in flags):
             self._drop_grads()
             raise RuntimeError(
