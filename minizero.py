@@ -325,7 +325,7 @@ def ddp_reduce(local, reduced, comm, last, out=None):
         reduced = (local if last else local.clone()) if reduced is None else reduced + local
         return reduced, (reduced if last else None)
     if last and reduced is None and comm.native:
-        full = all_reduce(local, comm)
+        full = all_reduce(local, comm, out=out)  # (out: the bucket, often local itself)
         return full.view(comm.world_size, -1)[comm.rank], full
     reduced = reduce_grads(local, reduced, comm)
     return reduced, (all_gather(reduced, comm, out=out) if last else None)

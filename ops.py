@@ -122,12 +122,11 @@ class ThreadComm:
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
         ys = torch.stack([y for _, y, _ in w.slots])
-        out.copy_(ys.view(-1) if op == "all_gather" else
-                  ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
-        if out.is_cuda:  # the reads above are done before their owners may overwrite them
-            torch.cuda.current_stream(out.device).synchronize()
-        self._barrier()  # nobody may reuse its slot until everyone has read it
-        return out
+        if ys.is_cuda:  # the reads above are done before their owners may overwrite them
+            torch.cuda.current_stream(ys.device).synchronize()
+        self._barrier()  # nobody may reuse its slot (or write into x: out may be x) until everyone has read it
+        return out.copy_(ys.view(-1) if op == "all_gather" else
+                         ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
 
     def _barrier(self):
         try:
@@ -448,17 +447,18 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     return out
 
 
-def all_reduce(x, comm):
-    """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
-    ring's order. Each rank sends 2(N-1)/N of x. The native path is one all-reduce,
-    booked as the ring's two halves (gloo's reduce-scatter is itself an all-reduce)."""
+def all_reduce(x, comm, out=None):
+    """Sum over ranks (into out; out=x sums in place): reduce-scatter then all-gather, so
+    each chunk is summed in the ring's order. Each rank sends 2(N-1)/N of x. The native
+    path is one all-reduce, booked as the ring's two halves (gloo's reduce-scatter is
+    itself an all-reduce)."""
     n = comm.world_size
     if comm.native and n > 1:
         half = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
         comm.sent["reduce_scatter"] += half
         comm.sent["all_gather"] += half
-        return comm.run_native("all_reduce", x, torch.empty_like(x), "all_reduce")
-    return all_gather(reduce_scatter(x, comm), comm)
+        return comm.run_native("all_reduce", x, torch.empty_like(x) if out is None else out, "all_reduce")
+    return all_gather(reduce_scatter(x, comm), comm, out=out)
 
 
 def broadcast(x, comm, src=0, kind="broadcast"):
