@@ -261,7 +261,8 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     whole buffer. p, m and v are updated in place (the same operations in the same order
     as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
     full-size temporaries."""
-    p.mul_(decay)
+    if decay != 1:  # (x·1 is x: no pass over parameters that do not decay)
+        p.mul_(decay)
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
     denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
