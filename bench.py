@@ -153,9 +153,9 @@ def decay_groups(model):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def slowest(res, names, reps):
-    """Seconds per step of each variant in each rep: the slowest rank's."""
-    return {name: [max(r[name]["times"][i] for r in res) for i in range(reps)] for name in names}
+def slowest(res, names, reps, key="times"):
+    """Seconds per step of each variant in each rep: the slowest rank's (key="cpu": CPU seconds)."""
+    return {name: [max(r[name][key][i] for r in res) for i in range(reps)] for name in names}
 
 
 def medians(times):
@@ -238,7 +238,7 @@ def time_world(comm, cfg):
     gcfg = gpt_config(cfg)
     built = [build(v, comm, gcfg) for v in cfg.variants]
     data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps, comm.device)
-    out = {v.name: dict(times=[], sent=None, loss=None, numel=None) for v in cfg.variants}
+    out = {v.name: dict(times=[], cpu=[], sent=None, loss=None, numel=None) for v in cfg.variants}
     k = {v.name: 0 for v in cfg.variants}  # each variant walks the same batches in the same order
 
     def run(v, step, n):
@@ -265,9 +265,10 @@ def time_world(comm, cfg):
     for rep in range(cfg.reps):
         for v, (step, _) in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
             dist.barrier()  # line the ranks up outside the timed window
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(v, step, cfg.steps)
             out[v.name]["times"].append((time.perf_counter() - t0) / cfg.steps)
+            out[v.name]["cpu"].append((time.process_time() - c0) / cfg.steps)  # every thread of the rank
     for _, engine in built:
         if engine is not None:
             engine.close()
@@ -307,19 +308,20 @@ def bench(cfg):
                                                     "to mean much" if cfg.reps == 1 else ""), flush=True)
     res = ops.run_processes(time_world, N, cfg, check=False, timeout=900)
     times = slowest(res, [v.name for v in cfg.variants], cfg.reps)
-    ms = medians(times)
+    cpu = slowest(res, [v.name for v in cfg.variants], cfg.reps, "cpu")  # steadier on a loaded machine
+    ms, cpu_ms = medians(times), medians(cpu)
     mem = {}
     for v in cfg.variants:  # one fresh world per row: peak RSS is a lifetime maximum
         per_rank = run_measured(memory_world, N, cfg, v)
         mem[v.name] = (max(p for p, _, _ in per_rank), max(p - b for p, b, _ in per_rank))
     ddp, fsdp = ms["torch-ddp"], ms["torch-fsdp2"]
     mib = lambda b: "n/a" if b is None else f"{b / MiB:.2f}"  # noqa: E731
-    print(f"\n{'':<41}{'MiB sent/step/rank':^26}{'peak RSS MiB':^17}\n{'variant':<20}{'ms/step':>8}"
-          f"{'/ddp':>6}{'/fsdp2':>7}{'ledger':>9}{'formula':>9}{'wire':>8}{'total':>9}{'+model':>8}")
+    print(f"\n{'':<49}{'MiB sent/step/rank':^26}{'peak RSS MiB':^17}\n{'variant':<20}{'ms/step':>8}"
+          f"{'CPU ms':>8}{'/ddp':>6}{'/fsdp2':>7}{'ledger':>9}{'formula':>9}{'wire':>8}{'total':>9}{'+model':>8}")
     for v in cfg.variants:
         r0 = res[0][v.name]
         psi = {"ddp": "  (2Psi)", "fsdp2": "  (3Psi)"}.get(v.kind, "")
-        print(f"{v.name:<20}{ms[v.name]:>8.1f}{ms[v.name] / ddp:>6.2f}{ms[v.name] / fsdp:>7.2f}"
+        print(f"{v.name:<20}{ms[v.name]:>8.1f}{cpu_ms[v.name]:>8.1f}{ms[v.name] / ddp:>6.2f}{ms[v.name] / fsdp:>7.2f}"
               f"{mib(r0['sent']):>9}{mib(comm_formula(v, r0['numel'], n_params, N)):>9}{mib(r0['wire']):>8}"
               f"{mem[v.name][0] / MiB:>9.0f}{mem[v.name][1] / MiB:>8.0f}{psi}")
     drift = max(abs(res[0][v.name]["loss"] - res[0]["torch-ddp"]["loss"]) for v in cfg.variants)
@@ -327,21 +329,22 @@ def bench(cfg):
           f"  formula: DESIGN.md's ring bytes, (N-1)/N of Psi per collective over Psi\n"
           f"  wire: loopback bytes of one step, all ranks, / N; gloo's reduce_scatter_tensor is an "
           f"all-reduce underneath (twice the ring's bytes)\n"
+          f"  CPU ms: CPU seconds of every thread of the slowest rank's process (gloo's included) per step\n"
           f"  peak RSS: max over ranks, a fresh world per row; +model: above the RSS after a tiny warm-up\n"
           f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
 
     disk = paired(times, "stage3-ring-disk", "stage3-ring")
-    s0, s3, ovl = ratios(times).values()
+    (s0, s3, ovl), (s0_cpu, s3_cpu, _) = ratios(times).values(), ratios(cpu).values()
     ring = {s: paired(times, f"stage{s}-ring", f"stage{s}-native") for s in range(4) if f"stage{s}-ring" in ms}
     worst = max(ring, key=ring.get)
-    big, tiny = overhead(cfg)
+    big, big_cpu, tiny = overhead(cfg)
     ok = lambda good: "met" if good else "MISSED"  # noqa: E731
     print(f"targets: stage0-native/ddp <= 1.00 {ok(s0 <= 1.00)}; stage3-native/fsdp2 <= 0.85 {ok(s3 <= 0.85)}; "
           f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
           f"(worst stage: {worst}); overhead over a plain loop <= 1.05 {ok(big <= 1.05)}")
-    print(f"summary: stage0-native/ddp {s0:.2f}x  stage3-native/fsdp2 {s3:.2f}x  "
-          f"stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in memory "
-          f"{disk:.2f}x  overhead/plain loop {big:.2f}x (tiny GPT {tiny:.2f}x)")
+    print(f"summary: stage0-native/ddp {s0:.2f}x (CPU {s0_cpu:.2f}x)  stage3-native/fsdp2 {s3:.2f}x (CPU "
+          f"{s3_cpu:.2f}x)  stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in "
+          f"memory {disk:.2f}x  overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
 
 
 MAX_MODEL_ROWS = [Variant("stage0-ring", "zero", 0), Variant("torch-fsdp2", "fsdp2"),
@@ -409,7 +412,8 @@ def max_model(cfg):
 def plain_vs_engine(comm, cfg):
     """One rank trains the same GPT two ways, alternating reps: a plain torch loop (AdamW
     unfused, bf16 autocast on GPU, as nanoGPT) and minizero's stage-0 engine (bf16 params,
-    fp32 master). Returns {name: [seconds per step, per rep]} and the last losses."""
+    fp32 master). Returns {name: [seconds per step, per rep]} (and "name cpu": CPU seconds)
+    and the last losses."""
     cuda = comm.device.type == "cuda"
     data = batches(cfg, 0, cfg.warmup + cfg.reps * cfg.steps, comm.device)
     plain = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
@@ -433,7 +437,7 @@ def plain_vs_engine(comm, cfg):
         return loss.detach()
 
     steps = {"plain": plain_step, "minizero": engine_step}
-    out = {name: [] for name in steps}
+    out = {key: [] for name in steps for key in (name, name + " cpu")}
     for step in steps.values():
         for x, y in data[:cfg.warmup]:
             step(x, y)
@@ -442,11 +446,12 @@ def plain_vs_engine(comm, cfg):
         batch = data[cfg.warmup + rep * cfg.steps:][:cfg.steps]
         for name in list(steps)[::1 if rep % 2 == 0 else -1]:  # alternate who goes first
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for x, y in batch:
                 steps[name](x, y)
             sync()
             out[name].append((time.perf_counter() - t0) / len(batch))
+            out[name + " cpu"].append((time.process_time() - c0) / len(batch))
     losses = {name: float(steps[name](*data[-1])) for name in steps}  # the same batch: near-equal losses
     return out, losses
 
@@ -461,12 +466,12 @@ def overhead(cfg):
     for name, c in (("bench GPT", replace(cfg, world_size=1)), ("tiny GPT", replace(tiny, world_size=1))):
         times, losses = ops.run_threads(plain_vs_engine, 1, c, device=device)[0]
         ms = medians(times)
-        out.append(paired(times, "minizero", "plain"))
-        print(f"one rank on {device}, {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}: plain torch loop "
-              f"{ms['plain']:.2f} ms/step, minizero stage 0 {ms['minizero']:.2f} ms/step ({ms['minizero'] - ms['plain']:+.2f}"
-              f" ms, {out[-1]:.3f}x over {c.reps} reps of {c.steps} steps); last losses {losses['plain']:.4f} and "
-              f"{losses['minizero']:.4f}", flush=True)
-    return out
+        out += [paired(times, "minizero", "plain"), paired(times, "minizero cpu", "plain cpu")]
+        print(f"one rank on {device}, {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}, {c.reps} reps of "
+              f"{c.steps} steps: plain torch loop {ms['plain']:.2f} ms/step, minizero stage 0 {ms['minizero']:.2f} "
+              f"({ms['minizero'] - ms['plain']:+.2f} ms, {out[-2]:.3f}x; CPU time {out[-1]:.3f}x); last losses "
+              f"{losses['plain']:.4f} and {losses['minizero']:.4f}", flush=True)
+    return out[:3]
 
 
 def gpu_bench(quick):
@@ -516,8 +521,8 @@ if __name__ == "__main__":
     if a.gpu:
         gpu_bench(a.quick)
     elif a.overhead:
-        big, tiny = overhead(replace(Config(), reps=a.reps or Config.reps, steps=a.steps or Config.steps))
-        print(f"summary: overhead/plain loop {big:.2f}x (tiny GPT {tiny:.2f}x)")
+        big, big_cpu, tiny = overhead(replace(Config(), reps=a.reps or Config.reps, steps=a.steps or Config.steps))
+        print(f"summary: overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
     elif a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations
         cfg = Config(world_size=a.world_size or 4, n_head=8, n_embd=512, block=32, batch=1, budget_mb=a.budget_mb)
         max_model(cfg)
