@@ -12,14 +12,11 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
 (in an order that rotates), so machine noise hits all alike. A step's time is the slowest
-rank's; the table shows medians over reps; a ratio is the median over reps of the ratio
-within each rep (the two rows run one after the other: they share the machine's load of the
-moment). One torch thread per rank (2 cores / 2 ranks; at --world-size 4 ranks share
-cores). Ring headers are off (check=False), as under torchrun.
-
-Overhead: one rank trains the bench's GPT and a tiny one two ways, alternating reps: a plain
-torch loop, and minizero's stage-0 engine. At one rank nothing is sent, so any difference
-is the engine's own work (the tiny GPT shows its fixed cost per step).
+rank's; the table shows medians over reps, a ratio the median of the ratios within a rep
+(its rows run one after the other, in the same load). One torch thread per rank (2 cores /
+2 ranks; at --world-size 4 ranks share cores). Ring headers are off (check=False).
+Overhead: one rank, a plain torch loop against minizero's stage-0 engine, alternating reps:
+nothing is sent, so the difference is the engine's own work (a tiny GPT: its fixed cost).
 
 Memory: peak RSS is a lifetime maximum, so each row's comes from a fresh world that builds
 only that variant. "+model" is the peak above the rank's RSS after a tiny warm-up step (so
@@ -337,7 +334,8 @@ def bench(cfg):
     (s0, s3, ovl), (s0_cpu, s3_cpu, _) = ratios(times).values(), ratios(cpu).values()
     ring = {s: paired(times, f"stage{s}-ring", f"stage{s}-native") for s in range(4) if f"stage{s}-ring" in ms}
     worst = max(ring, key=ring.get)
-    big, big_cpu, tiny = overhead(cfg)
+    print("overhead over a plain torch loop (AdamW fused=False):", flush=True)
+    (big, big_cpu), (tiny, _) = overhead(cfg)
     ok = lambda good: "met" if good else "MISSED"  # noqa: E731
     print(f"targets: stage0-native/ddp <= 1.00 {ok(s0 <= 1.00)}; stage3-native/fsdp2 <= 0.85 {ok(s3 <= 0.85)}; "
           f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
@@ -412,8 +410,7 @@ def max_model(cfg):
 def plain_vs_engine(comm, cfg):
     """One rank trains the same GPT two ways, alternating reps: a plain torch loop (AdamW
     unfused, bf16 autocast on GPU, as nanoGPT) and minizero's stage-0 engine (bf16 params,
-    fp32 master). Returns {name: [seconds per step, per rep]} (and "name cpu": CPU seconds)
-    and the last losses."""
+    fp32 master). Returns {name: [seconds per step, per rep]} ("name cpu": CPU) and the last losses."""
     cuda = comm.device.type == "cuda"
     data = batches(cfg, 0, cfg.warmup + cfg.reps * cfg.steps, comm.device)
     plain = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
@@ -456,39 +453,33 @@ def plain_vs_engine(comm, cfg):
     return out, losses
 
 
-def overhead(cfg):
-    """One rank (on a GPU if there is one): minizero's stage-0 engine over a plain torch loop
-    at the bench's GPT and at a tiny one. Returns both ratios."""
+def overhead(cfg, tiny=True):
+    """One rank (on a GPU if there is one): minizero's stage-0 engine over a plain torch loop at
+    cfg's GPT (and a tiny one: mostly the fixed cost). Returns [(ratio, ratio of CPU times)]."""
     torch.set_num_threads(1)  # as every rank of the table: one torch thread
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    tiny = replace(cfg, n_layer=1, n_head=2, n_embd=32, block=16, batch=2, steps=10 * cfg.steps)
-    out = []
-    for name, c in (("bench GPT", replace(cfg, world_size=1)), ("tiny GPT", replace(tiny, world_size=1))):
-        times, losses = ops.run_threads(plain_vs_engine, 1, c, device=device)[0]
-        ms = medians(times)
-        out += [paired(times, "minizero", "plain"), paired(times, "minizero cpu", "plain cpu")]
-        print(f"one rank on {device}, {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}, {c.reps} reps of "
-              f"{c.steps} steps: plain torch loop {ms['plain']:.2f} ms/step, minizero stage 0 {ms['minizero']:.2f} "
-              f"({ms['minizero'] - ms['plain']:+.2f} ms, {out[-2]:.3f}x; CPU time {out[-1]:.3f}x); last losses "
-              f"{losses['plain']:.4f} and {losses['minizero']:.4f}", flush=True)
-    return out[:3]
+    cuda, out = torch.cuda.is_available(), {}
+    small = replace(cfg, n_layer=1, n_head=2, n_embd=32, block=16, batch=2, steps=10 * cfg.steps)
+    for name, c in {"GPT": cfg, **({"tiny GPT": small} if tiny else {})}.items():
+        c = replace(c, world_size=1)
+        times, losses = ops.run_threads(plain_vs_engine, 1, c, device="cuda" if cuda else "cpu")[0]
+        ms, out[name] = medians(times), (paired(times, "minizero", "plain"), paired(times, "minizero cpu", "plain cpu"))
+        print(f"  {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}, {c.reps} reps of {c.steps} steps: plain "
+              f"torch loop{' (bf16 autocast)' if cuda else ''} {ms['plain']:.2f} ms/step, minizero stage 0 at one rank"
+              f"{' (bf16)' if cuda else ''} {ms['minizero']:.2f} ({ms['minizero'] - ms['plain']:+.2f} ms, "
+              f"{out[name][0]:.3f}x; CPU time {out[name][1]:.3f}x); last losses {losses['plain']:.4f} and "
+              f"{losses['minizero']:.4f}", flush=True)
+    return list(out.values())
 
 
 def gpu_bench(quick):
     torch.set_num_threads(1)  # as every rank of the table: one torch thread
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     big = dict(n_layer=12, n_head=12, n_embd=768, block=1024, batch=8, reps=5, steps=3, warmup=3)  # GPT-2 shape
     tiny = dict(n_layer=1, n_head=2, n_embd=32, block=16, batch=2, reps=2, steps=1, warmup=1)
     cfg = Config(world_size=1, **(tiny if quick or not cuda else big))
     where = torch.cuda.get_device_name() if cuda else "the CPU (no CUDA: tiny sizes, times mean nothing)"
-    print(f"--gpu on {where}: GPT {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch}x{cfg.block}, medians over "
-          f"{cfg.reps} reps of {cfg.steps} steps", flush=True)
-    times, losses = ops.run_threads(plain_vs_engine, 1, cfg, device=device)[0]
-    ms, overhead = medians(times), paired(times, "minizero", "plain")
-    print(f"  plain torch loop (AdamW fused=False{', bf16 autocast' if cuda else ''}) {ms['plain']:.1f} ms/step, "
-          f"minizero stage 0 (1 rank{', bf16' if cuda else ''}) {ms['minizero']:.1f} ms/step: overhead "
-          f"{overhead:.2f}x; last losses {losses['plain']:.4f} and {losses['minizero']:.4f}", flush=True)
+    print(f"--gpu on {where}:", flush=True)
+    over = overhead(cfg, tiny=False)[0][0]
     # the native rows: NCCL puts one rank on each GPU, so one GPU runs world size 1 only
     n = max(1, torch.cuda.device_count()) if cuda else 1
     rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2"), Variant("stage0-native", "zero", 0, True),
@@ -500,7 +491,7 @@ def gpu_bench(quick):
     print(f"  native rows, fp32, world size {n} ({'nccl' if cuda else 'gloo'}): "
           + ", ".join(f"{name} {t:.1f} ms" for name, t in medians(row).items()), flush=True)
     skipped = "world sizes above 1 (one GPU; NCCL takes one GPU per rank)" if cuda and n == 1 else "none"
-    print(f"summary: overhead vs plain torch loop {overhead:.2f}x; world {n}: "
+    print(f"summary: overhead vs plain torch loop {over:.2f}x; world {n}: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios(row).items()) + f"; skipped: {skipped}")
 
 
@@ -520,9 +511,6 @@ if __name__ == "__main__":
 
     if a.gpu:
         gpu_bench(a.quick)
-    elif a.overhead:
-        big, big_cpu, tiny = overhead(replace(Config(), reps=a.reps or Config.reps, steps=a.steps or Config.steps))
-        print(f"summary: overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
     elif a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations
         cfg = Config(world_size=a.world_size or 4, n_head=8, n_embd=512, block=32, batch=1, budget_mb=a.budget_mb)
         max_model(cfg)
@@ -531,4 +519,8 @@ if __name__ == "__main__":
         if a.quick:
             cfg = replace(cfg, n_layer=2, n_embd=64, block=32, batch=4, reps=1, steps=2)
         cfg = replace(cfg, reps=a.reps or cfg.reps, steps=a.steps or cfg.steps)
-        bench(cfg)
+        if not a.overhead:
+            bench(cfg)
+        else:
+            (big, big_cpu), (tiny, _) = overhead(cfg)
+            print(f"summary: overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
