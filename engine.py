@@ -69,11 +69,10 @@ class Engine:
         self.skipped, self.skips_in_row = 0, 0  # steps skipped for non-finite gradients
         self.t = 0                              # optimizer steps taken
         self.micro = 0                          # backward() calls since the last step()
-        self.finite = None                      # this rank's own gradients all finite? (a device flag)
         self.in_backward = False                # a forward now is a recomputation inside backward
         self.writing = False                    # inside gathered(writable=True): loading weights is fine
         self.closed = False                     # close() was called: the hooks refuse
-        self.jobs = []                          # this micro-batch's reductions in flight
+        self.jobs, self.last = [], None         # this micro-batch's reductions in flight; the job submitted last
         self.next = 0                           # the next unit, in self.order, to reduce
         self.trace = 0                          # a hash of the units this rank gathered and reduced
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
@@ -82,7 +81,6 @@ class Engine:
         overlap = overlap and comm.world_size > 1
         self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
         self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
-        self.last = None                        # the job submitted last: once it is done, all are
 
         modules = default_units(model) if units is None else list(units)
         groups, cross = group_params(model, modules)
@@ -109,7 +107,7 @@ class Engine:
                                    place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
-        self.finite = torch.ones((), dtype=torch.bool, device=self.device)
+        self.finite = torch.ones((), dtype=torch.bool, device=device)  # own gradients all finite? (on device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
@@ -316,7 +314,8 @@ class Engine:
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
         self._log(u, 1)
         # which rank's own gradient went bad: NaN or inf anywhere makes the fp32 sum so (one pass, no copy)
-        self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
+        if self.comm.world_size > 1:  # (one rank: its own gradient is the sum, which _agree checks)
+            self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
 
         def job():
             if self.sharded["optimizer"]:
@@ -399,8 +398,9 @@ class Engine:
         rule); whether any gradient went non-finite, in a rank's own gradient or in the sum.
         Returns None if all is finite, else the ranks whose own gradient was not. The
         flags are read once: the step's one host read of a device value (a GPU's queue drains)."""
-        sums = torch.stack([u.reduced.sum(dtype=torch.float32) for u in self.units])
-        bad = torch.stack([~self.finite, ~sums.isfinite().all()]).double()  # computed where they are
+        sums = torch.stack([u.reduced.sum(dtype=torch.float32) for u in self.units]).isfinite().all()
+        own = self.finite if self.comm.world_size > 1 else sums
+        bad = torch.stack([~own, ~sums]).double()  # computed where they are
         mine = [float(self.trace)] + [float(x) for u in self.units for x in u.used]
         mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=self.device)])
         flags, self.trace = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist(), 0
