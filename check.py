@@ -138,7 +138,8 @@ def default_loss(model, batch):
 
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
-          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, **engine_kw):
+          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, strict_p2p=False,
+          **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -146,7 +147,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     grad_accum, clip, ...; units may be a function of the model). processes=True runs
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
-    with torch's deterministic algorithms, as equal bits need equal local compute."""
+    with torch's deterministic algorithms, as equal bits need equal local compute.
+    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
     device = torch.device(device or "cpu")
@@ -159,6 +161,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine options to "
                              f"each rank, so they must be importable functions, not lambdas or locals: {e}")
+    if device.type == "cuda":  # before make_model may start cuBLAS
+        os.environ.setdefault(*CUBLAS)
     model = make_model()
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
@@ -180,7 +184,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                                                         backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
                         runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
-                                                  timeout=timeout)
+                                                  timeout=timeout, strict_p2p=strict_p2p)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
                     row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
                     report.rows.append(row)
@@ -196,14 +200,21 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     return report
 
 
+CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting, read when cuBLAS starts
+
+
 def _deterministic(device):
-    """On CUDA, switch on torch's deterministic kernels (some, like index_add, sum with
-    atomics in a different order each run); returns what puts the settings back."""
+    """On CUDA, torch's deterministic kernels only: some (index_add, ...) sum with atomics in
+    a different order each run, and a kernel with no deterministic version (flash attention's
+    backward) raises, naming itself, instead of letting the stages differ for a reason that is
+    not the engine's. cuBLAS reads its variable once, when it starts: check() sets it before
+    any CUDA work, in the parent before it spawns ranks (they inherit it), and each spawned
+    rank switches the kernels on before it builds its model. Returns what puts them back."""
     if device.type != "cuda":
         return lambda: None
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting
-    torch.use_deterministic_algorithms(True, warn_only=True)  # a kernel with no such version warns
+    os.environ.setdefault(*CUBLAS)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
@@ -215,6 +226,7 @@ def _rank(comm, stage, spec):
     if "model" in spec:  # threads: a copy of the one model
         model = copy.deepcopy(spec["model"]).to(comm.device)
     else:                # processes: build it, then take the parent's values
+        _deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
     kw = dict(spec["engine_kw"])

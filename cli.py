@@ -136,6 +136,8 @@ def check_main(argv):
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
     a = ap.parse_args(argv)
+    if a.device == "cuda":  # before the user's file may start cuBLAS (check._deterministic)
+        os.environ.setdefault(*check.CUBLAS)
     try:
         user = _load(a.file)
         kw = dict(getattr(user, "ENGINE", {}))

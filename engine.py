@@ -13,7 +13,6 @@ import contextlib
 import os
 import warnings
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -23,7 +22,7 @@ from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
                       zero_update)
 from offload import DiskState, check_offload, disk_update
-from ops import Pending, all_gather, broadcast
+from ops import Pending, all_gather, broadcast, comm_thread
 
 
 class Engine:
@@ -79,8 +78,8 @@ class Engine:
         # one communication thread per rank runs collectives in the order they are asked for, so they
         # pair up across ranks while autograd goes on (GPU: on a side stream); one rank sends nothing
         overlap = overlap and comm.world_size > 1
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}") if overlap else None
-        self.side = torch.cuda.Stream() if overlap and comm.device.type == "cuda" else None
+        self.pool = comm_thread(comm) if overlap else None
+        self.side = torch.cuda.Stream(comm.device) if overlap and comm.device.type == "cuda" else None
 
         modules = default_units(model) if units is None else list(units)
         groups, cross = group_params(model, modules)
@@ -234,7 +233,7 @@ class Engine:
             for u in units:
                 if u.held is not None:
                     raise RuntimeError("engine.gathered() is already open for these parameters; do not nest it")
-                u.held = all_gather(u.shard, self.comm, kind="gathered")
+                u.held = all_gather(u.shard.to(self.device), self.comm, kind="gathered")  # (offload_params: on the host)
                 u.point(u.held)
                 u.mark(released=False)
         self.writing = writable

@@ -11,6 +11,11 @@
 #                 collectives on NCCL: tok/s, MFU, peak max_memory_allocated vs the formula
 # 3. bench        bench.py --gpu: a plain torch loop against minizero in one process (the
 #                 overhead ratio), and the native rows at the world size the GPUs allow
+# With 2+ GPUs, also:
+# 4. strict       test_equivalence.py again, under NCCL's point-to-point rules (strict_p2p)
+# 5. N ranks      torchrun, N = min(4, GPUs) processes: train_gpt.py at stages 0 and 3, on
+#                 the ring (--no-native: batched point-to-point on NCCL) and on NCCL's own
+#                 collectives (--native)
 # Each step has a time limit; a failed step is named in the summary and the rest still
 # run. Logs go to $GPU_CHECK_LOGS (default: a new temporary directory).
 set -euo pipefail
@@ -20,7 +25,11 @@ PY=${PYTHON:-$(command -v python3 || command -v python)}
 mode=gpu
 if [[ "${1:-}" == "--cpu" ]] || ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     mode=cpu
+    export CUDA_VISIBLE_DEVICES=""  # the CPU, even where a GPU is present: every step below picks CUDA if it sees one
 fi
+gpus=0
+[[ $mode == cpu ]] || gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+ranks=$((gpus < 4 ? gpus : 4))
 logs=${GPU_CHECK_LOGS:-$(mktemp -d)}
 mkdir -p "$logs"
 failed=()
@@ -60,9 +69,17 @@ summary() {
     [[ ${#failed[@]} -gt 0 ]] || list=", none"
     eq=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?)' "$logs/equivalence.log" 2>/dev/null | tail -1 | sed -E 's/=+//g; s/^ +| +$//g')
     bench=$(grep '^summary:' "$logs/bench.log" 2>/dev/null | tail -1 | sed 's/^summary: //')
+    multi=""
+    if ((ranks > 1)); then
+        strict=$(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?)' "$logs/strict.log" 2>/dev/null | tail -1 | sed -E 's/=+//g; s/^ +| +$//g')
+        multi=" strict_p2p equivalence ${strict:-no result}; $ranks ranks:"
+        for run in ring-stage0 native-stage0 ring-stage3 native-stage3; do
+            multi+=" $run $(train "$run");"
+        done
+    fi
     echo
     echo "gpu_check ($mode, $((SECONDS - start)) s): equivalence ${eq:-no result}; gpt2 stage0 $(train stage0);" \
-         "stage3 $(train stage3); bench: ${bench:-no result}; failed: ${list:2}"
+         "stage3 $(train stage3);$multi bench: ${bench:-no result}; failed: ${list:2}"
 }
 trap summary EXIT
 
@@ -85,5 +102,17 @@ for stage in 0 3; do
         train_gpt.py "${size[@]}" --stage "$stage" --native
 done
 step bench "$bench_limit" "$PY" bench.py --gpu
+if ((ranks > 1)); then
+    step strict 150 env MINIZERO_DEVICE=cuda MINIZERO_STRICT_P2P=1 HYPOTHESIS_PROFILE=quick \
+        CUBLAS_WORKSPACE_CONFIG=:4096:8 "$PY" -m pytest -q test_equivalence.py
+    for stage in 0 3; do
+        for ring in ring native; do
+            flag=--native
+            [[ $ring == ring ]] && flag=--no-native
+            step "$ring-stage$stage" "$train_limit" "$PY" -m torch.distributed.run --standalone \
+                --nproc_per_node="$ranks" train_gpt.py "${size[@]}" --stage "$stage" "$flag"
+        done
+    done
+fi
 finished=1
 ((${#failed[@]} == 0))

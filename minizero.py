@@ -258,14 +258,15 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
     1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
     + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
-    whole buffer. p, m and v are updated in place (the same operations in the same order
-    as p * decay, m * beta1 + g * (1 - beta1), ...): out of place, a step would need ten
-    full-size temporaries."""
+    whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
+    tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
+    operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...): out of
+    place, a step would need ten full-size temporaries."""
     if decay != 1:  # (x·1 is x: no pass over parameters that do not decay)
         p.mul_(decay)
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
-    denom = v.sqrt().div_(math.sqrt(1 - beta2 ** t)).add_(eps)
+    denom = v.sqrt().div_(torch.full((), math.sqrt(1 - beta2 ** t), device=v.device)).add_(eps)
     p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
     return p, m, v
 
@@ -302,7 +303,7 @@ def update(master, m, v, grad, pieces, hp):
         step = BLOCK if master.is_cpu else b - a  # (a GPU: one launch per op, whole)
         for lo in range(a, b, step):
             hi = min(b, lo + step)
-            g = grad[lo:hi].float()
+            g = grad[lo:hi].to(torch.float32)
             g = g if hp.unscale == 1 else g * hp.unscale  # (x·1 is x: one rank, no loss scale)
             g = g if coef is None else g * coef
             adamw(master[lo:hi], g, m[lo:hi], v[lo:hi], t, hp.lr, *hp.betas, hp.eps, decay)
@@ -439,7 +440,7 @@ def clip_coef(grad_shards, max_norm, comm):
     total = per_rank[0]
     for x in per_rank[1:]:
         total = total + x
-    return torch.clamp(max_norm / (total.sqrt() + 1e-6), max=1.0)
+    return torch.clamp((total.sqrt() + 1e-6).reciprocal() * max_norm, max=1.0)  # (torch's max_norm / (...))
 
 
 # -----------------------------------------------------------------------------

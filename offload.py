@@ -12,7 +12,8 @@ memory is a few units' state at a time, never the whole optimizer.
 Files are preallocated at construction (a disk too small fails there, not mid-run) and
 read and written with pread/pwrite, not mapped, so the page cache is never counted as
 the process's memory. They are removed by Engine.close(), when the engine is collected,
-and at normal interpreter exit.
+at normal interpreter exit, and by run_processes when its run ends (a rank it spawned
+may be killed, and every one leaves by os._exit).
 """
 import os
 import weakref
@@ -22,7 +23,7 @@ import torch
 
 from checkpoint import STATE
 from minizero import runs, share_params, update
-from ops import all_gather
+from ops import all_gather, remove_at_end
 
 F32 = 4  # bytes per element of master, m and v
 
@@ -66,6 +67,7 @@ class DiskState:
         """Unit i's file: two slots of master, m, v; slot 0 holds master and zero moments."""
         n = master.numel()
         path = os.path.join(self.folder, f"minizero-{self.tag}-unit{i}.offload")
+        remove_at_end(path)  # (a spawned rank that is killed runs no cleanup: its launcher removes it)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.files[i] = [fd, path, n, 0]  # slot 0 holds the state
         try:

@@ -1,6 +1,7 @@
 """
-The communication layer of minizero: a communicator with send/recv, the ring
-collectives written on top of it, and two ways to start a world of ranks.
+The communication layer of minizero: a communicator whose one point-to-point operation
+is an exchange (send to one rank and receive from another, as one group), the ring
+collectives written on it, and the ways to start a world of ranks.
 
     reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
     all_gather(shard) -> full       every rank ends with every rank's chunk
@@ -31,11 +32,14 @@ import threading
 import time
 import traceback
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import nccl_model
 
 
 class PeerFailed(RuntimeError):
@@ -60,11 +64,17 @@ def _expect(rank, kind, t, src, got):
 
 
 class Pending:
-    """An operation in flight (a send, a receive, a job on the engine's communication
-    thread); wait() finishes it and returns its result. The one handle type of minizero."""
+    """An operation in flight (an exchange, a job on the engine's communication thread);
+    wait() finishes it and returns its result. The one handle type of minizero."""
 
     def __init__(self, wait):
         self.wait = wait
+
+
+def _halves(kind, send, dst, recv, src):
+    """What an exchange does, in words (for errors): 'send of ... to rank 1 + receive ... from rank 2'."""
+    return " + ".join(([f"send of {_describe(kind, send)} to rank {dst}"] if send is not None else []) +
+                      ([f"receive of {_describe(kind, recv)} from rank {src}"] if recv is not None else []))
 
 
 # -----------------------------------------------------------------------------
@@ -72,6 +82,7 @@ class Pending:
 # (src, dst) pair; a header rides along so mismatched collectives are caught.
 # On a GPU each rank thread computes on a CUDA stream of its own, so a message also
 # carries an event: the receiver's stream waits for it before it reads the payload.
+# With strict_p2p=True they follow NCCL's rules instead (nccl_model.py).
 
 class ThreadComm:
     def __init__(self, rank, world):
@@ -80,16 +91,24 @@ class ThreadComm:
         self.native = False  # torch's own collectives instead of the ring
         self.device = world.device
 
-    def isend(self, t, dst, kind="p2p"):  # queues never block: the send is done at once
-        self.sent[kind] += t.numel() * t.element_size()
-        payload = t.detach().clone()
-        self.world.queues[self.rank, dst].put((kind, payload, _made(payload)))
-        return Pending(lambda: None)
+    def exchange(self, send, dst, recv, src, kind="p2p"):
+        """Send `send` to rank dst and receive into `recv` from rank src, issued as one
+        group (either may be None); returns when both are done. The one point-to-point
+        operation of minizero: a ring hop is one exchange."""
+        self.iexchange(send, dst, recv, src, kind).wait()
 
-    def send(self, t, dst, kind="p2p"):
-        self.isend(t, dst, kind)
+    def iexchange(self, send, dst, recv, src, kind="p2p"):
+        """Start exchange(...): the Pending's wait() finishes it."""
+        if send is not None:
+            self.sent[kind] += send.numel() * send.element_size()
+        if self.world.p2p is not None:
+            return self.world.p2p.issue(nccl_model.Exchange(self.rank, kind, send, dst, recv, src))
+        if send is not None:  # queues never block: the send is done at once
+            payload = send.detach().clone()
+            self.world.queues[self.rank, dst].put((kind, payload, _made(payload)))
+        return Pending(lambda: None if recv is None else self._take(recv, src, kind))
 
-    def recv(self, t, src, kind="p2p"):
+    def _take(self, t, src, kind):
         deadline = time.monotonic() + self.world.timeout
         while True:
             try:  # a message already sent is delivered, as on a real transport, though its sender failed since
@@ -107,9 +126,6 @@ class ThreadComm:
             stream.wait_event(made)
             payload.record_stream(stream)
         t.copy_(payload)
-
-    def irecv(self, t, src, kind="p2p"):
-        return Pending(lambda: self.recv(t, src, kind))
 
     def run_native(self, op, x, out, kind):
         """The thread world's native collective: every rank reads the others' x straight from
@@ -135,6 +151,15 @@ class ThreadComm:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
 
 
+def comm_thread(comm):
+    """One thread that runs a rank's communication jobs in order (the engine's overlap). On
+    a GPU it first makes the rank's device current: a new thread starts on device 0, where
+    its CUDA calls would make a context for every rank (and NCCL needs the right device)."""
+    cuda = comm.device.type == "cuda"
+    return ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}",
+                              initializer=torch.cuda.set_device if cuda else None, initargs=(comm.device,) if cuda else ())
+
+
 def _made(t):
     """CUDA: an event on this thread's current stream, which is making t. CPU: None (done)."""
     if not t.is_cuda:
@@ -145,12 +170,13 @@ def _made(t):
 
 
 class ThreadWorld:
-    def __init__(self, world_size, timeout, device):
+    def __init__(self, world_size, timeout, device, strict=False):
         self.world_size, self.timeout, self.device = world_size, timeout, device
         self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
         self.slots = [None] * world_size
         self.barrier = threading.Barrier(world_size)
         self.failed = threading.Event()
+        self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
 
 
 def _thread_device(device):
@@ -175,13 +201,15 @@ def _rank_on(device):
         torch.cuda.current_stream(device).synchronize()  # what the rank returns is complete
 
 
-def run_threads(fn, world_size, *args, device=None, timeout=60.0):
+def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=False):
     """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
     If a rank raises, the others are woken up and this raises, naming that rank.
-    device="cuda": every rank computes on that one GPU, each on its own stream."""
+    device="cuda": every rank computes on that one GPU, each on its own stream.
+    strict_p2p=True: point-to-point operations follow NCCL's rules (nccl_model.py), and
+    a deadlock under them raises, naming what each rank is stuck in."""
     _check_world_size(world_size)
     device = _thread_device(device)
-    world = ThreadWorld(world_size, timeout, device)
+    world = ThreadWorld(world_size, timeout, device, strict_p2p)
     results, errors = [None] * world_size, {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # the caller's tensors are complete before other streams read them
@@ -194,12 +222,16 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0):
             errors[rank] = e
             world.failed.set()
             world.barrier.abort()
+        if world.p2p is not None:
+            world.p2p.finish(rank)
 
     threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    if world.p2p is not None and world.p2p.stuck:
+        raise RuntimeError(world.p2p.stuck)
     if errors:  # report the rank that failed first-hand, not the peers that gave up on it
         rank = min(errors, key=lambda r: (isinstance(errors[r], PeerFailed), r))
         raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
@@ -217,6 +249,9 @@ class ProcessComm:
         self.sent = Counter()
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
+        if self.device.type == "cuda":  # torch's rule for batch_isend_irecv on NCCL: the first call on
+            self._guard("the first collective",  # the group is one every rank takes part in (DESIGN.md §9)
+                        lambda: dist.all_reduce(torch.zeros(1, device=self.device), async_op=True).wait(self.timeout))
 
     def _header(self, kind, t):
         h = _describe(kind, t).encode().ljust(64)
@@ -235,26 +270,30 @@ class ProcessComm:
             raise PeerFailed(f"rank {self.rank}: {what} failed or timed out "
                              f"after {self.timeout.total_seconds()}s: {e}") from e
 
-    def isend(self, t, dst, kind="p2p"):
-        self.sent[kind] += t.numel() * t.element_size()
-        what = f"send to rank {dst}"
-        msgs = ([self._header(kind, t)] if self.check else []) + [t.contiguous()]
-        works = [self._guard(what, lambda m=m: dist.isend(m, dst)) for m in msgs]
-        return Pending(lambda: [self._guard(what, lambda w=w: w.wait(self.timeout)) for w in works])
+    def exchange(self, send, dst, recv, src, kind="p2p"):
+        """As ThreadComm.exchange: one group of torch.distributed.batch_isend_irecv."""
+        self.iexchange(send, dst, recv, src, kind).wait()
 
-    def send(self, t, dst, kind="p2p"):
-        self.isend(t, dst, kind).wait()
-
-    def recv(self, t, src, kind="p2p"):
-        what = f"recv from rank {src}"
+    def iexchange(self, send, dst, recv, src, kind="p2p"):
+        """Start exchange(...): the Pending's wait() finishes it. With check=True the
+        64-byte headers go first, as a group of their own, and the receiver checks its
+        header before it posts the payload's receive (DESIGN.md §9)."""
+        if send is not None:
+            self.sent[kind] += send.numel() * send.element_size()
+            send = send.contiguous()
+        what = _halves(kind, send, dst, recv, src)
         if self.check:
-            got = torch.empty(64, dtype=torch.uint8, device=t.device)
-            self._guard(what, lambda: dist.irecv(got, src).wait(self.timeout))
-            self._check(kind, t, src, got)
-        self._guard(what, lambda: dist.irecv(t, src).wait(self.timeout))
+            got = None if recv is None else torch.empty(64, dtype=torch.uint8, device=recv.device)
+            self._group(what, None if send is None else self._header(kind, send), dst, got, src).wait()
+            if got is not None:
+                self._check(kind, recv, src, got)
+        return self._group(what, send, dst, recv, src)
 
-    def irecv(self, t, src, kind="p2p"):
-        return Pending(lambda: self.recv(t, src, kind))
+    def _group(self, what, send, dst, recv, src):
+        ops = ([dist.P2POp(dist.isend, send, dst)] if send is not None else []) + \
+              ([dist.P2POp(dist.irecv, recv, src)] if recv is not None else [])
+        works = self._guard(what, lambda: dist.batch_isend_irecv(ops)) if ops else []
+        return Pending(lambda: [self._guard(what, lambda w=w: w.wait(self.timeout)) for w in works])
 
     def run_native(self, op, x, out, kind):
         """torch's own collective (NCCL on GPU) of x into out; with check=True, a small
@@ -281,11 +320,24 @@ _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_
 def init_from_env(timeout=300.0, check=False, native=True):
     """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
     else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun."""
+    device = None
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device)
     return ProcessComm(timeout, check, native)
+
+
+def _rank_device(local_rank):
+    """This process's GPU, made current before anything touches CUDA (NCCL's batched point-to-point
+    needs it); also given to init_process_group as device_id, which starts NCCL at once."""
+    count = torch.cuda.device_count()
+    if not 0 <= local_rank < count:
+        raise ValueError(f"LOCAL_RANK is {local_rank} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} processes per "
+                         f"node (torchrun --nproc_per_node={count}), one GPU each")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def _die_with_parent(parent):
@@ -303,15 +355,35 @@ def _die_with_parent(parent):
     threading.Thread(target=watch, daemon=True).start()
 
 
+_RUN_DIR = None  # in a rank spawned by run_processes: the launcher's folder for this run
+
+
+def remove_at_end(path):
+    """For files a rank makes that must not outlive its run (disk offload's): in a rank spawned
+    by run_processes the path is listed where the launcher looks, and the launcher removes it
+    when the run ends, even if the rank was killed. Elsewhere the caller's own cleanup is all."""
+    if _RUN_DIR is not None:
+        with open(os.path.join(_RUN_DIR, f"files-{os.getpid()}"), "a") as f:
+            f.write(path + "\n")
+
+
+def _remove_listed(folder):
+    for name in (n for n in os.listdir(folder) if n.startswith("files-")):
+        with open(os.path.join(folder, name)) as f:
+            for path in filter(os.path.exists, f.read().splitlines()):
+                os.remove(path)
+
+
 def _process_main(rank, world_size, backend, store_path, timeout, check, parent, fn, args, results):
+    global _RUN_DIR
+    _RUN_DIR = os.path.dirname(store_path)
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches us too: the launcher alone handles it
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+        device = _rank_device(rank) if backend == "nccl" else None
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout))
+                                timeout=timedelta(seconds=timeout), device_id=device)
         out = fn(ProcessComm(timeout, check), *args)
         results.put(("ok", rank, pickle.dumps(out)))
     except BaseException as e:
@@ -334,6 +406,9 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Tru
     this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
     or any exception kill them all, and they kill themselves if this process dies."""
     _check_world_size(world_size)
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
+                         f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")
     ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
     results = ctx.Queue()
     main = threading.current_thread() is threading.main_thread()  # the only thread that takes signals
@@ -352,6 +427,7 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Tru
                 if len(out) < world_size:  # a failure, an exception, SIGTERM or ^C: no rank goes on
                     p.kill()  # (a no-op on a rank that has exited)
                 p.join(timeout=10)
+            _remove_listed(tmp)  # files the ranks left behind (a rank killed, or gone by os._exit)
             if main:
                 signal.signal(signal.SIGTERM, before)
     if failure is not None:
@@ -397,7 +473,7 @@ def _blame(procs, errors, dead):
 
 
 # -----------------------------------------------------------------------------
-# the collectives, as rings over send/recv
+# the collectives, as rings of exchanges
 
 def _chunks(x, n):
     if x.dim() != 1 or x.numel() % n:
@@ -419,10 +495,8 @@ def reduce_scatter(x, comm, kind="reduce_scatter"):
     right, left = (r + 1) % n, (r - 1) % n
     acc = chunks[(r - 1) % n].clone()   # step 0: my own piece of chunk r-1 starts its journey
     incoming = torch.empty_like(acc)
-    for k in range(n - 1):              # N-1 hops, one chunk (x/N) sent per hop
-        req = comm.isend(acc, right, kind)
-        comm.recv(incoming, left, kind)
-        req.wait()
+    for k in range(n - 1):              # N-1 hops, one chunk (x/N) sent per hop, as one exchange
+        comm.exchange(acc, right, incoming, left, kind)
         acc = incoming + chunks[(r - 2 - k) % n]  # the partial sum of chunk r-2-k, plus mine
     return acc                          # after N-1 hops: chunk r, summed by every rank
 
@@ -441,9 +515,7 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     chunks[r].copy_(shard)
     right, left = (r + 1) % n, (r - 1) % n
     for k in range(n - 1):              # hop k: pass on chunk r-k, receive chunk r-1-k
-        req = comm.isend(chunks[(r - k) % n], right, kind)
-        comm.recv(chunks[(r - 1 - k) % n], left, kind)
-        req.wait()
+        comm.exchange(chunks[(r - k) % n], right, chunks[(r - 1 - k) % n], left, kind)
     return out
 
 
@@ -467,10 +539,10 @@ def broadcast(x, comm, src=0, kind="broadcast"):
     if n == 1:
         return x
     buf = x.view(torch.uint8) if x.dtype == torch.bool else x  # gloo moves no bools
-    if r != src:
-        comm.recv(buf, (r - 1) % n, kind)
+    if r != src:  # receive, then pass it on: two exchanges, as the second sends what the first got
+        comm.exchange(None, None, buf, (r - 1) % n, kind)
     if (r + 1) % n != src:
-        comm.send(buf, (r + 1) % n, kind)
+        comm.exchange(buf, (r + 1) % n, None, None, kind)
     return x
 
 

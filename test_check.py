@@ -5,7 +5,9 @@ micro-batch, and the four stage-0 bugs its torch referee exists for), ranks whos
 models drift apart; and its command line answers 0, 1 or 2.
 """
 import collections
+import os
 import textwrap
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -239,3 +241,26 @@ def test_batches_in_containers_reach_the_device():
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
     assert check._to(batch, "cpu")["a"][0].device == torch.device("cpu")
+
+
+def test_check_on_cuda_runs_deterministic_kernels_only(monkeypatch):
+    """check(device="cuda"), and each rank it spawns before it builds its model: torch's
+    deterministic kernels, where a kernel without one is an error (not a warning), and
+    cuBLAS's setting in the environment (spawned ranks inherit it). Recorded: no GPU needed."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    restore = check._deterministic(torch.device("cuda"))
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        restore()
+    assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
+    seen = []
+    monkeypatch.setattr(check, "_deterministic", seen.append)
+
+    def make_model():  # a spawned rank: it builds its own model, after the switch
+        raise LookupError(list(seen))
+    with pytest.raises(LookupError, match=r"\[device\(type='cuda'\)\]"):
+        check._rank(SimpleNamespace(device=torch.device("cuda")), 0, dict(make_model=make_model))

@@ -294,3 +294,42 @@ def test_failed_save_leaves_no_files_and_the_next_save_succeeds(saved, monkeypat
     again = ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
     assert_same(load_into(model, c, path), again[0][1])
     assert len(shard_files(path)) == 3 and not [f for f in os.listdir(path) if f.endswith(".tmp")]
+
+
+def _everything(comm, stage, model, batches, kw, path):
+    """Train with accumulation and overlap (stage 3: prefetches); read the params inside
+    gathered(), after the first step write them (rank 0's win); save a checkpoint, load it
+    at the end. Returns full_state_dict() and the norm read inside, after every step."""
+    model = copy.deepcopy(model)
+    engine = minizero.Engine(model, comm, stage, **kw)
+    states = []
+    for i, micro_batches in enumerate(batches):
+        for micro in micro_batches:
+            engine.backward(model(*micro[comm.rank]))
+        engine.step()
+        with engine.gathered(writable=i == 0):
+            norm = sum(p.detach().float().pow(2).sum() for p in model.parameters())
+            if i == 0:
+                model.head.weight.data.mul_(0.5 + comm.rank)
+        if i == 0:
+            engine.save_checkpoint(path)
+        states.append((engine.full_state_dict(), norm))
+    engine.load_checkpoint(path)
+    states.append((engine.full_state_dict(), None))
+    engine.close()
+    return states
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_strict_p2p_gives_the_same_bits(tmp_path, stage):
+    """Under NCCL's point-to-point rules (ops.run_threads(strict_p2p=True)) every collective
+    the engine makes pairs up, and gives the same bits as in the default thread world."""
+    c = case("bf16", grad_accum=2, steps=3)
+    model, batches = make(c)
+    kw = dict(c["engine"], overlap=True)
+    runs = [ops.run_threads(_everything, 3, stage, model, batches, kw, str(tmp_path / str(strict)), strict_p2p=strict)
+            for strict in (False, True)]
+    for a, b in zip(*runs):
+        for (state_a, norm_a), (state_b, norm_b) in zip(a, b):
+            assert_same(state_a, state_b)
+            assert norm_a is None and norm_b is None or torch.equal(norm_a, norm_b)

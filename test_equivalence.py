@@ -7,12 +7,14 @@ draws the models and worlds it is run on.
 Hypothesis draws the model (depth, widths smaller than and not divisible by the world
 size, bias, a tied pair, a frozen layer), the world size (1-5), steps, gradient
 accumulation, clipping, learning rate, weight decay, eps, compute dtype, overlap, random
-delays in the communication, and the optimizer state offloaded to disk. Ranks are threads, so hundreds of examples run in
-seconds; a few fixed cases rerun on real gloo processes and must give the same bits,
-and stage 0 is held against torch's DistributedDataParallel there.
+delays in the communication, the optimizer state offloaded to disk, and whether the
+thread ranks follow NCCL's point-to-point rules (strict_p2p). Ranks are threads, so
+hundreds of examples run in seconds; a few fixed cases rerun on real gloo processes and
+must give the same bits, and stage 0 is held against torch's DistributedDataParallel there.
 
 MINIZERO_DEVICE=cuda runs the suite with every thread rank on one GPU, each on its own
-stream (the gloo process tests are CPU ranks: they run with the default, cpu).
+stream (the gloo process tests are CPU ranks: they run with the default, cpu);
+MINIZERO_STRICT_P2P=1 runs every example under NCCL's point-to-point rules.
 """
 import copy
 import tempfile
@@ -71,7 +73,8 @@ def cases(draw):
              frozen=draw(st.none() | st.integers(0, len(widths) - 2)),
              steps=draw(st.integers(1, 4)), grad_accum=draw(st.integers(1, 3)),
              batch=draw(st.integers(1, 3)), seq=draw(st.integers(1, 4)), seed=draw(st.integers(0, 2**16)),
-             dtype=DTYPES[draw(st.sampled_from(list(DTYPES)))], jitter=draw(st.booleans()))
+             dtype=DTYPES[draw(st.sampled_from(list(DTYPES)))], jitter=draw(st.booleans()),
+             strict_p2p=draw(st.booleans()))  # half the examples under NCCL's point-to-point rules
     # eps 1e-3 lets the referee see a missing mean over ranks (Adam is scale-invariant but for eps)
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
                        eps=draw(st.sampled_from([1e-8, 1e-3])), clip=draw(st.none() | st.floats(0.01, 2.0)),
@@ -99,7 +102,7 @@ def run_check(c, **kw):
     model, batches = make(c)
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
                           world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
-                          **{**c["engine"], **kw})
+                          strict_p2p=c.get("strict_p2p", False), **{**c["engine"], **kw})
 
 
 def assert_same(a, b):

@@ -100,7 +100,7 @@ def _raises_while_peer_sends(comm):
         raise KeyError("planted on rank 1")
     time.sleep(1.0)  # rank 1 has raised and left: the next send finds the connection closed
     for _ in range(200):
-        comm.isend(torch.ones(1), 1).wait()
+        comm.exchange(torch.ones(1), 1, None, None)
         time.sleep(0.01)
 
 
@@ -248,6 +248,34 @@ def test_consolidate_bad_paths_are_one_line(tmp_path, capsys, monkeypatch):
                        (["ckpt"], "usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")]:
         assert says in one_line_error(capsys, cli.main, ["consolidate", *argv], "minizero.py")
     assert not (tmp_path / "model.pt").exists()
+
+
+def test_train_gpt_with_more_processes_than_gpus_is_one_line(monkeypatch, capsys):
+    """torchrun --nproc_per_node above the GPUs this node shows: LOCAL_RANK names none (torch.cuda mocked)."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as e:
+        tg.main(["--steps", "1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("train_gpt.py: error: LOCAL_RANK is 3 but this process sees 2 GPU(s)")
+
+
+def test_gpu_check_cpu_mode_hides_the_gpus(tmp_path):
+    """`bash gpu_check.sh --cpu` must run on the CPU where a GPU is present too: every python
+    it starts sees no GPU (CUDA_VISIBLE_DEVICES=""). A stub python records what each saw."""
+    seen = tmp_path / "seen"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "[${{CUDA_VISIBLE_DEVICES-unset}}]" >> {seen}\n')
+    stub.chmod(0o755)
+    out = subprocess.run(["bash", os.path.join(HERE, "gpu_check.sh"), "--cpu"], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHON": str(stub), "GPU_CHECK_LOGS": str(tmp_path / "logs"),
+                                          "CUDA_VISIBLE_DEVICES": "0"})
+    assert "gpu_check (cpu," in out.stdout
+    calls = seen.read_text().split()
+    assert len(calls) >= 5 and set(calls) == {"[]"}, calls  # torch's version, equivalence, 2 trainings, bench
 
 
 def test_pip_install_ships_every_module_the_library_imports():

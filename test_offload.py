@@ -7,6 +7,7 @@ suite, test_equivalence.py.)
 import copy
 import errno
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -156,6 +157,20 @@ def test_offload_files_go_at_normal_exit(tmp_path):
                          cwd=os.path.dirname(os.path.abspath(__file__)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1, 1]"  # each rank had its one unit's file while it ran
+    assert offload_files(tmp_path) == []
+
+
+def _killed_with_offload_files(comm, folder):  # (top-level: run_processes imports it)
+    engine = minizero.Engine(torch.nn.Linear(4, 4), comm, 1, offload="disk", offload_dir=folder)
+    assert offload_files(folder) and engine, "the engine made no offload file"
+    os.kill(os.getpid(), signal.SIGKILL)  # no close(), no finalizer, no exit handler
+
+
+def test_a_killed_rank_leaves_no_offload_files(tmp_path):
+    """A spawned rank that is killed (or leaves by os._exit, as every rank does) runs none of
+    its cleanup: run_processes removes the files its ranks listed (ops.remove_at_end)."""
+    with pytest.raises(RuntimeError, match="rank 0 was killed by signal 9"):
+        ops.run_processes(_killed_with_offload_files, 1, str(tmp_path))
     assert offload_files(tmp_path) == []
 
 

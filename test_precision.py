@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 import cli
 import minizero
@@ -90,3 +91,43 @@ def test_planner_prints_the_formula():
     # the ZeRO paper's Figure 1: 7.5B parameters on 64 GPUs, 120 / 31.4 / 16.6 / 1.9 GB
     assert [line.split()[4] for line in lines[2:]] == ["120.00", "31.41", "16.64", "1.88"]
     assert minizero.model_state_bytes(64, 64, 3, torch.float32) == {"params": 4, "grads": 4, "optimizer": 8}
+
+
+# -----------------------------------------------------------------------------
+# the update rounds the same on the host (offload) as on a GPU (DESIGN.md §2)
+
+ALLOWED = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "sqrt", "full", "to", "__getitem__", "__get__"}
+
+
+class Recorder(TorchFunctionMode):
+    """Every torch call made inside it, with its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls.append((getattr(func, "__name__", str(func)), args))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("coef", [None, 0.5])
+def test_the_update_divides_only_by_tensors_on_its_device(coef):
+    """CUDA divides by a Python (or CPU) scalar as a multiply by its reciprocal, which may lose
+    a bit; the CPU divides. Offload's update on the host would then part from stage 0's on the
+    GPU. So every division in the update is by a tensor on the update's own device, and every
+    operation is one DESIGN.md §2 allows. Run on the meta device: a CPU scalar shows up there
+    as a tensor of another device, a Python one as a number."""
+    meta = torch.device("meta")
+    master, m, v = (torch.empty(8, device=meta) for _ in range(3))
+    grad = torch.empty(8, device=meta, dtype=torch.bfloat16)
+    hp = minizero.Hyper(1e-2, (0.9, 0.999), 1e-8, 0.1, 0.25, None if coef is None else torch.full((), coef, device=meta))
+    with Recorder() as rec:
+        minizero.update(master, m, v, grad, [(0, 3, 2, 0.999), (3, 8, 1, 1.0)], hp)
+    divisions = [(name, args) for name, args in rec.calls if "div" in name]
+    assert len(divisions) == 4  # two per piece: by the bias correction, by the denominator
+    for name, (x, y, *_) in divisions:
+        x, y = (y, x) if name.startswith("__r") else (x, y)  # (2 / t: t is the divisor)
+        assert torch.is_tensor(y) and y.device == x.device, f"{name} divides a tensor on {x.device} by {y!r}"
+    used = {name for name, _ in rec.calls}
+    assert used <= ALLOWED, f"the update uses {sorted(used - ALLOWED)}, which DESIGN.md §2 does not allow"

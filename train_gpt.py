@@ -434,7 +434,11 @@ def main(argv=None):
         sys.exit(2)
     try:
         if "RANK" in os.environ:  # started by torchrun
-            comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
+            try:
+                comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
+            except ValueError as e:  # more processes than GPUs: one line, as the options' errors
+                print(f"train_gpt.py: error: {e}", file=sys.stderr)
+                sys.exit(2)
             train_entry(comm, cfg)
             torch.distributed.destroy_process_group()  # NCCL asks for it: no rank leaves work pending
         else:  # start our own world: one GPU per rank if there are enough, else CPU processes

@@ -1,0 +1,135 @@
+"""
+strict_p2p: a CPU model of NCCL's point-to-point rules, for the thread world
+(ops.run_threads(..., strict_p2p=True)), so that a ring which would hang on NCCL fails
+here, in a test, naming what each rank waits for.
+
+    one stream    each rank's exchanges run one at a time, in the order the rank issued
+                  them (from whichever of its threads): only the one at the head runs
+    no buffering  a send completes only when the receive it meets runs, at the head of
+                  its peer's stream; neither side goes on before
+    one group     an exchange's send and receive run together and it completes when both
+                  have met theirs (torch.distributed.batch_isend_irecv)
+    one device    every tensor is on the ranks' device (NCCL moves only GPU tensors)
+
+A ring hop that sends, then receives in an operation of its own, waits in a circle under
+these rules: every rank's send waits for a receive queued behind its peer's send. NCCL
+buffers a little (small hops pass there), the model nothing, so it errs on the safe side.
+"""
+import threading
+import time
+from collections import deque
+
+import torch
+
+import ops
+
+
+class Deadlock(RuntimeError):
+    """Every rank waits on an exchange that no rank can match any more."""
+
+
+class Streams:
+    """Every rank's one stream of exchanges, as NCCL runs them."""
+
+    def __init__(self, world):
+        self.world = world                      # the ThreadWorld: its timeout, `failed`, barrier
+        self.queued = [deque() for _ in range(world.world_size)]  # each rank's exchanges, in issue order
+        self.finished = [False] * world.world_size  # the rank's thread has returned or raised
+        self.stuck = None                       # the deadlock, in words, once found
+        self.lock = threading.Condition()       # guards the three above
+
+    def issue(self, x):
+        for t in (x.send, x.recv):  # (a host tensor, say a shard offloaded to the host)
+            if t is not None and t.device != self.world.device:
+                raise ValueError(f"rank {x.rank}: {x} has a tensor on {t.device}, but the ranks work on "
+                                 f"{self.world.device}; NCCL moves only tensors on the rank's GPU: move it there first")
+        with self.lock:
+            self.queued[x.rank].append(x)
+            self._progress()
+        return ops.Pending(lambda: self._wait(x))
+
+    def finish(self, rank):
+        """The rank's thread is done: it issues nothing more."""
+        with self.lock:
+            self.finished[rank] = True
+            self._progress()
+
+    def _wait(self, x):
+        deadline = time.monotonic() + self.world.timeout
+        with self.lock:
+            while not x.done():
+                if self.stuck:
+                    raise Deadlock(self.stuck)
+                if self.world.failed.is_set():
+                    raise ops.PeerFailed(f"rank {x.rank}: a peer failed, giving up")
+                if time.monotonic() > deadline:
+                    raise ops.PeerFailed(f"rank {x.rank}: no point-to-point progress within "
+                                         f"{self.world.timeout}s: {self._heads()}")
+                self.lock.wait(0.05)
+        if x.error is not None:
+            raise x.error
+
+    def _progress(self):
+        """Meet every send at a stream's head with the receive at its peer's head, retire
+        the exchanges that are done, until nothing moves. Then, if every rank has finished
+        or waits behind an exchange that cannot meet its peer, no rank can ever move: a
+        deadlock (a rank's later exchanges queue behind its head, so they cannot help)."""
+        moved = True
+        while moved:
+            moved = False
+            for q in self.queued:
+                x = q[0] if q else None
+                peer = self.queued[x.dst] if x is not None and not x.sent else None
+                if peer and not peer[0].got and peer[0].src == x.rank:
+                    x.deliver(peer[0])
+                    moved = True
+            for q in self.queued:
+                while q and q[0].done():
+                    q.popleft()
+                    moved = True
+        if self.stuck is None and not self.world.failed.is_set() and any(self.queued) \
+                and all(q or done for q, done in zip(self.queued, self.finished)):
+            self.stuck = f"point-to-point deadlock under NCCL's rules (strict_p2p=True): {self._heads()}"
+            self.world.barrier.abort()
+        self.lock.notify_all()
+
+    def _heads(self):
+        return "; ".join(f"rank {r} " + (f"is stuck in {q[0]}" + (f" ({len(q) - 1} more queued behind it)"
+                                                                   if len(q) > 1 else "") if q else
+                                         "has finished" if done else "is in no point-to-point operation")
+                         for r, (q, done) in enumerate(zip(self.queued, self.finished)))
+
+
+class Exchange:
+    """One exchange on its rank's stream: a send half, a receive half, or both."""
+
+    def __init__(self, rank, kind, send, dst, recv, src):
+        self.rank, self.kind = rank, kind       # who issued it, and the collective's kind
+        self.send, self.dst = send, dst         # the tensor to send (None: no send half) and to whom
+        self.recv, self.src = recv, src         # the tensor to receive into (None: no receive half), from whom
+        self.sent, self.got = send is None, recv is None  # each half done
+        self.made = [ops._made(t) for t in (send, recv) if t is not None and t.is_cuda]  # CUDA: the issuer's work
+        self.error = None                       # a mismatched collective, found when the halves met
+
+    def done(self):
+        return self.sent and self.got
+
+    def deliver(self, to):
+        """This exchange's send meets the receive of `to`: the payload moves now."""
+        self.sent = to.got = True
+        try:
+            ops._expect(to.rank, to.kind, to.recv, self.rank, ops._describe(self.kind, self.send))
+        except ValueError as e:
+            to.error = e
+            return
+        if not to.recv.is_cuda:
+            to.recv.copy_(self.send)
+            return
+        stream = torch.cuda.current_stream(to.recv.device)  # after what both issuers' streams did to
+        for e in self.made + to.made:                         # the two tensors; done before either goes on
+            stream.wait_event(e)
+        to.recv.copy_(self.send)
+        stream.synchronize()
+
+    def __str__(self):
+        return ops._halves(self.kind, self.send, self.dst, self.recv, self.src)
