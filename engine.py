@@ -340,7 +340,8 @@ class Engine:
         self.next = 0
         self.in_backward = True
         try:
-            (loss.float() * (self.scale / self.grad_accum)).backward()
+            factor = self.scale / self.grad_accum  # (x·1 is x: no multiply, nor its backward)
+            (loss.float() * factor if factor != 1 else loss.float()).backward()
         finally:
             self.in_backward = False
         for u in self.units:  # units whose parameters were not all used: reduce them now
