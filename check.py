@@ -45,7 +45,7 @@ import ops
 from engine import Engine
 from minizero import cast_floats, map_tensors
 
-KEPT = ("reduce_scatter", "all_gather")  # the kinds the formula speaks of
+KEPT = ("reduce_scatter", "all_gather", "all_reduce")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
 UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engine's own gradient
 
@@ -144,13 +144,17 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, ...; units may be a function of the model). processes=True runs
+    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True runs
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
+    S = engine_kw.get("shard_size")  # hybrid sharding: every stage, stage 0 included, at that S
+    if S is not None and any(n % S for n in world_sizes):
+        raise ValueError(f"shard_size={S} must divide every world size, and world_sizes={tuple(world_sizes)}; "
+                         f"give multiples of it, like world_sizes={(S, 2 * S)}")
     device = torch.device(device or "cpu")
     if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
         raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size {max(world_sizes)} "
@@ -237,8 +241,10 @@ def _rank(comm, stage, spec):
     engine = Engine(model, comm, stage, **kw)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
-    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size) for u in engine.units]
-    out = dict(layout=layout, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
+    # (a unit's layout, and where this rank's chunk starts in it)
+    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
+              for u in engine.units]
+    out = dict(layout=layout, shard_size=engine.shards.world_size, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
                bytes=engine.formula(sent=True), grad_accum=engine.grad_accum,
                initial=engine.full_state_dict() if stage == 0 else None, hist=[])  # (the referee's start)
     for step in range(spec["steps"]):
@@ -315,8 +321,8 @@ def _compare(row, ranks, base, n, stage, buffers):
                                        n, stage))
                 for ui, (a, b) in enumerate(zip(h["live"], ref["live"])):  # the params forward reads
                     names, offsets, sizes, s = run["layout"][ui]
-                    if a.numel() < b.numel():  # stage 3's shard: against chunk r of stage 0's
-                        b = b.view(n, -1)[r]
+                    if a.numel() < b.numel():  # stage 3's shard: against its chunk of stage 0's
+                        b = b[s:s + a.numel()]
                     else:                      # whole buffers: element i is element i
                         s = 0
                     found.append(_diff(row, "params", a, b, (names, offsets, sizes, s), r, step, None, n, stage))
@@ -345,7 +351,7 @@ def _bytes(run, stage, stepped):
 
 def _diff(row, what, a, b, where, rank, step, micro, n, stage):
     """None if a and b are the same bits; else a Divergence at their first difference.
-    where is a parameter's name, or a unit's layout (names, offsets, sizes, shard size)."""
+    where is a parameter's name, or a unit's layout (names, offsets, sizes, where a's chunk starts)."""
     if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) \
             and torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0)):  # NaN where NaN
         return None
@@ -358,7 +364,7 @@ def _diff(row, what, a, b, where, rank, step, micro, n, stage):
     name, index = where, i
     if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
         names, offsets, sizes, s = where
-        g = rank * s + i
+        g = s + i
         name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
                            ("padding", g))
     return Divergence(what, n, stage, step, micro, rank, name, index, float(x[i]), float(y[i]),
@@ -447,11 +453,11 @@ def _cast_inputs(dtype):  # as the engine casts its model's inputs
 
 
 def _engine_grad(ranks, step, n):
-    """Stage 0's mean gradient of a step, per parameter name: every rank's reduced shard
-    after the last micro-batch, concatenated, times 1/(N · loss scale)."""
-    out, h = {}, ranks[0]["hist"][step]
+    """Stage 0's mean gradient of a step, per parameter name: the reduced shards of one
+    shard group (ranks 0..S-1) after the last micro-batch, concatenated, times 1/(N · loss scale)."""
+    out, h, S = {}, ranks[0]["hist"][step], ranks[0]["shard_size"]
     for ui, (names, offsets, sizes, _) in enumerate(ranks[0]["layout"]):
-        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(n)]).float() / (n * h["scale"])
+        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(S)]).float() / (n * h["scale"])
         for nm, o, k in zip(names, offsets, sizes):
             out[nm] = full[o:o + k].view(h["state"][nm].shape)
     return out

@@ -14,8 +14,10 @@ The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scal
 size, stage and dtype it was saved at, the model's state_dict names, the hyperparameters,
 and per unit its parameters (name, tied aliases, shape, offset in the unit's flat layout,
 and AdamW's step count for it: a parameter with no gradient in a step is not stepped).
-Shard k holds rank k's chunk of every unit's fp32 master, m and v; shard 0 also holds the
-frozen parameters and buffers. A shard is checked against its sha256 in the manifest.
+Shard k holds the k-th of N pieces of every unit's fp32 master, m and v (rank k's, unless
+hybrid: see piece()); shard 0 also holds the frozen parameters and buffers. A shard is
+checked against its sha256 in the manifest. The pieces in order are the layout, so a
+checkpoint of any world size, shard size and stage loads at any other.
 """
 import contextlib
 import hashlib
@@ -45,18 +47,20 @@ def save(engine, path, meta=None):
     (JSON: the training step, say) rides in the manifest and comes back from load()."""
     if engine.micro:
         raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
-    comm, r = engine.comm, engine.comm.rank
+    comm, N = engine.comm, engine.comm.world_size
+    k = piece(engine, comm.rank)  # which 1/N of the layout this rank saves
     os.makedirs(path, exist_ok=True)
     nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
     tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
-    whole = not engine.sharded["optimizer"]  # DDP keeps the whole state: save only my chunk of it
+    whole = not engine.sharded["optimizer"]  # DDP keeps the whole state: save only my piece of it
+    cut = (lambda x: x.view(N, -1)[k]) if whole else \
+        (lambda x: x.view(engine.replicas.world_size, -1)[engine.replicas.rank])  # my chunk, cut R ways
     states = (engine.optimizer_state(u) for u in engine.units)  # (from disk if offloaded there)
-    shard = {"units": [{k: (u.chunk(st[k], r) if whole else st[k]).cpu() for k in STATE}
-                       for u, st in zip(engine.units, states)]}
-    if r == 0:  # frozen parameters and buffers, as full_state_dict gives them
+    shard = {"units": [{key: cut(st[key]).cpu() for key in STATE} for st in states]}
+    if k == 0:  # frozen parameters and buffers, as full_state_dict gives them
         shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
                           for n, t in engine.frozen().items()}
-    mine, mpath = os.path.join(path, f"shard-{tag}-{r}.pt"), os.path.join(path, "manifest.json")
+    mine, mpath = os.path.join(path, f"shard-{tag}-{k}.pt"), os.path.join(path, "manifest.json")
     try:
         digest, error = write_atomic(mine, shard), ""
     except OSError as e:
@@ -69,8 +73,9 @@ def save(engine, path, meta=None):
         raise (RuntimeError if error else PeerFailed)(
             f"checkpoint not saved: rank(s) {failed} could not write their shard "
             f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
-    if r == 0:
-        m = manifest(engine, tag, [bytes(reports[k, 1:].tolist()).hex() for k in range(comm.world_size)])
+    if comm.rank == 0:
+        by_piece = sorted(range(N), key=lambda j: piece(engine, j))  # the ranks that saved pieces 0, 1, ...
+        m = manifest(engine, tag, [bytes(reports[j, 1:].tolist()).hex() for j in by_piece])
         m["meta"] = meta
         try:
             write_atomic(mpath, json.dumps(m, indent=1).encode())
@@ -88,12 +93,21 @@ def save(engine, path, meta=None):
                            f"({error or 'see rank 0'}); the previous checkpoint in {path} is untouched")
 
 
+def piece(engine, rank):
+    """Which of the N pieces of the layout a rank saves: piece p·R + g for the rank at place
+    p of shard group g (each shard group's chunk p, cut R ways across its replicas). Not
+    hybrid (R = 1): piece r is rank r's."""
+    S = engine.shards.world_size
+    return rank % S * (engine.comm.world_size // S) + rank // S
+
+
 def manifest(engine, tag, digests):
     aliases, state = {}, engine.model.state_dict(keep_vars=True)
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
     return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scale,
-            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size, "stage": engine.stage,
+            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size,
+            "shard_size": engine.shards.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "hparams": {"lr": engine.lr, "betas": list(engine.betas), "eps": engine.eps,
                         "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum, "clip": engine.clip},
@@ -115,7 +129,7 @@ def load(engine, path):
     frozen = engine.frozen()
     _check_same(path, {n: list(t.shape) for n, t in frozen.items()},
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
-    r = engine.comm.rank
+    r = engine.shards.rank  # (hybrid: every replica takes the same chunk)
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     engine.set_optimizer_state((u, {k: mine(u, _assemble(u, params, k)) for k in STATE}) for u in engine.units)
     for u in engine.units:  # then what the model reads

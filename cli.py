@@ -2,6 +2,8 @@
 The command line of `python minizero.py` (train_gpt.py has its own):
 
     python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB] [--offload disk]
+    python minizero.py --params 7.5e9 --world-size 1024 --gpus-per-node 8 [--shard-size 8]
+                       [--intra-gbps 900 --inter-gbps 400 --latency-us 5 --units 32]
     python minizero.py consolidate CHECKPOINT_DIR OUT.pt
     python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] [--processes] ...
 
@@ -13,11 +15,12 @@ import math
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 
 import checkpoint
-from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero import comm_bytes_per_step, link_bytes_per_step, model_state_bytes, offloaded_bytes
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
 
@@ -36,9 +39,23 @@ def main(argv):
                                          "also print the largest model per stage")
         ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
                                                                    "(stages 1-3): print what stays resident")
+        ap.add_argument("--gpus-per-node", type=int, help="also print flat against hybrid sharding: bytes "
+                                                          "inside and across nodes, and the ring model's time")
+        ap.add_argument("--shard-size", type=int, help="hybrid: ranks a unit is sharded over (default: a node)")
+        ap.add_argument("--intra-gbps", type=float, default=900.0, help="link inside a node, Gbit/s per GPU "
+                                                                         "and direction (default 900)")
+        ap.add_argument("--inter-gbps", type=float, default=400.0, help="link across nodes, Gbit/s per GPU "
+                                                                         "and direction (default 400)")
+        ap.add_argument("--latency-us", type=float, default=5.0, help="per ring hop, microseconds (default 5)")
+        ap.add_argument("--units", type=int, default=32, help="units (layers): collectives per step (default 32)")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
-        print("\n".join(plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload)))
+        lines = plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload)
+        if a.gpus_per_node is not None or a.shard_size is not None:  # flat against hybrid sharding
+            links = Links(a.intra_gbps * 1e9 / 8, a.inter_gbps * 1e9 / 8, a.latency_us * 1e-6)
+            lines += [""] + plan_hybrid(a.params, a.world_size, a.gpus_per_node or a.world_size,
+                                        a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype])
+        print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -78,6 +95,72 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None):
                 f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
     return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
                       + "".join("  " + c for c in r[cols:]) for r in rows]
+
+
+class Links(NamedTuple):
+    """The ring model's machine: bytes/s per GPU and direction inside a node and across
+    nodes, and seconds per ring hop."""
+    intra: float
+    inter: float
+    latency: float
+
+
+def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, dtype=torch.bfloat16):
+    """Communication time per step in the ring model, nothing overlapped: a ring collective
+    on n ranks is n-1 hops (an all-reduce 2(n-1)), each a latency, and every rank sends its
+    bytes at the bandwidth of the slowest link the ring crosses (across nodes if any hop
+    leaves a node). Each unit runs its own collectives: latency counts per unit.
+    -> (bandwidth seconds, latency seconds)."""
+    S, R, N = shard_size, world_size // shard_size, world_size
+    shard_rings = [list(range(g, g + S)) for g in range(0, N, S)]
+    replica_rings = [list(range(p, N, S)) for p in range(S)]
+
+    def bandwidth(rings):
+        crosses = any(a // node_size != b // node_size for ring in rings for a, b in zip(ring, ring[1:] + ring[:1]))
+        return links.inter if crosses else links.intra
+    calls = {"reduce_scatter": 1, "all_gather": 2 if stage == 3 else 1, "all_reduce": 1}  # per unit and micro
+    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1)}
+    bw = {"reduce_scatter": bandwidth(shard_rings), "all_gather": bandwidth(shard_rings),
+          "all_reduce": bandwidth(replica_rings)}
+    sent = comm_bytes_per_step(numel, S, stage, dtype, replicas=R)
+    return (sum(b / bw[k] for k, b in sent.items()),
+            sum(calls[k] * units * hops[k] * links.latency for k in sent))
+
+
+def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=torch.bfloat16):
+    """Lines of the flat-against-hybrid table: per stage, model state per rank, payload bytes
+    per step a node's ranks send inside the node and across nodes (link_bytes_per_step,
+    which the tests hold the ledger to), and the ring model's communication time."""
+    for name, n in (("--gpus-per-node", node_size), ("--shard-size", shard_size), ("--units", units)):
+        if n < 1:
+            raise ValueError(f"{name} must be at least 1; got {n}")
+    if world_size % node_size or world_size % shard_size:
+        raise ValueError(f"--gpus-per-node {node_size} and --shard-size {shard_size} must divide the world "
+                         f"size {world_size}")
+    if min(links.intra, links.inter) <= 0 or links.latency < 0:
+        raise ValueError("--intra-gbps and --inter-gbps must be positive, --latency-us at least 0")
+    numel = -(-int(params) // world_size) * world_size
+    rows = [["stage", "sharding", "memory/rank", "inside/node", "across/node", "across/rank", "comm s/step",
+             "(bw + latency)"]]
+    for stage in range(4):
+        for name, S in (("flat", world_size), (f"hybrid {shard_size}x{world_size // shard_size}", shard_size)):
+            memory = sum(model_state_bytes(numel, S, stage, dtype).values())
+            link = link_bytes_per_step(numel, world_size, stage, node_size, dtype, shard_size=S)
+            bw, lat = ring_seconds(numel, world_size, stage, node_size, S, links, units, dtype)
+            rows.append([str(stage), name, f"{memory / 1e9:.2f}", f"{link['intra'] / 1e9:.2f}",
+                         f"{link['inter'] / 1e9:.2f}", f"{link['busiest'] / 1e9:.2f}", f"{bw + lat:.3f}",
+                         f"({bw:.3f} + {lat:.3f})"])
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    R = world_size // shard_size
+    title = (f"{params:.3g} parameters, {world_size // node_size} nodes x {node_size} ranks, "
+             f"{str(dtype).replace('torch.', '')} (GB = 1e9 bytes; one micro-batch per step)\n"
+             f"flat: each unit sharded over all {world_size} ranks; hybrid {shard_size}x{R}: over {shard_size} "
+             f"consecutive ranks, copied {R} times\n"
+             f"bytes sent per step: by a node's ranks inside it and to other nodes; by its busiest rank across\n"
+             f"time: ring model, {links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per GPU inside / "
+             f"across nodes, {links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
+    return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1]) + "".join(c.rjust(w) for c, w in
+                                                                              zip(r[2:], widths[2:])) for r in rows]
 
 
 BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory
@@ -131,6 +214,8 @@ def check_main(argv):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", choices=list(DTYPE_NAMES))
     ap.add_argument("--grad-accum", type=int)
+    ap.add_argument("--shard-size", type=int, help="hybrid sharding over groups of this many ranks (it must "
+                                                   "divide every world size)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -145,6 +230,8 @@ def check_main(argv):
             kw["dtype"] = DTYPE_NAMES[a.dtype]
         if a.grad_accum:
             kw["grad_accum"] = a.grad_accum
+        if a.shard_size:
+            kw["shard_size"] = a.shard_size
         if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
             raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
         t0 = time.perf_counter()

@@ -22,7 +22,7 @@ from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
                       zero_update)
 from offload import DiskState, check_offload, disk_update
-from ops import Pending, all_gather, broadcast, comm_thread
+from ops import Pending, all_gather, broadcast, comm_thread, split
 
 
 class Engine:
@@ -34,7 +34,7 @@ class Engine:
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
                  broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
-                 pin_memory=True, init=None, overlap=True, native=None):
+                 pin_memory=True, init=None, overlap=True, native=None, shard_size=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -54,6 +54,7 @@ class Engine:
         check_same_model(model, comm)  # first: every later collective's size depends on it
         self.model = model                      # the user's module; its parameters live in the units
         self.comm = comm                        # send/recv and the byte ledger (ops.py)
+        self.shards, self.replicas = split(comm, shard_size)  # units cut over S ranks, copied N/S times (hybrid)
         self.stage = stage                      # 0 = DDP, 1-3 = ZeRO
         self.sharded = sharded(stage)           # what this stage keeps 1/N of
         self.dtype = dtype                      # compute dtype of params, grads and float inputs
@@ -102,8 +103,7 @@ class Engine:
         self.units = []
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
-            self.units.append(Unit(m, g, comm, dtype, self.sharded, [decay is None or bool(decay(n, p)) for n, p in g],
-                                   place._replace(index=i)))
+            self.units.append(Unit(m, g, comm, self.shards, dtype, self.sharded, decay, place._replace(index=i)))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=device)  # own gradients all finite? (on device)
@@ -190,7 +190,7 @@ class Engine:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             if u.viewing is not u.flat:  # after gathered() they still view what it held
                 u.point(u.flat)
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.comm))
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards))
         return u.pending
 
     def _release(self, u):
@@ -233,7 +233,7 @@ class Engine:
             for u in units:
                 if u.held is not None:
                     raise RuntimeError("engine.gathered() is already open for these parameters; do not nest it")
-                u.held = all_gather(u.shard.to(self.device), self.comm, kind="gathered")  # (offload_params: on the host)
+                u.held = all_gather(u.shard.to(self.device), self.shards, kind="gathered")  # (offload_params: on the host)
                 u.point(u.held)
                 u.mark(released=False)
         self.writing = writable
@@ -251,7 +251,7 @@ class Engine:
 
     def _write_master(self, u, full):
         """Take the unit's whole params `full` as the new weights: master, shard, flat."""
-        mine = u.chunk(full, self.comm.rank) if self.sharded["optimizer"] else full
+        mine = u.chunk(full, self.shards.rank) if self.sharded["optimizer"] else full
         if self.disk is None:
             u.master.copy_(mine)
         else:  # m and v are read back too: a unit's slot is written whole
@@ -318,10 +318,10 @@ class Engine:
 
         def job():
             if self.sharded["optimizer"]:
-                u.reduced = reduce_grads(local, reduced, self.comm)
+                u.reduced = reduce_grads(local, reduced, self.shards, self.replicas, last)
             else:  # the whole optimizer on every rank needs the whole gradient
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
-                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.comm, last, out)
+                u.reduced, u.full_grad = ddp_reduce(local, reduced, self.shards, self.replicas, last, out)
         self.jobs.append(self._submit(job))
         if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
             self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
@@ -368,7 +368,7 @@ class Engine:
         unscale = 1.0 / (self.comm.world_size * self.scale)  # mean over ranks, undo the loss scale
         coef = None
         if self.clip is not None:
-            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.comm)
+            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.shards)
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
@@ -377,9 +377,9 @@ class Engine:
         else:
             for u in self.units:
                 if self.sharded["optimizer"]:
-                    lo = self.comm.rank * u.shard_size
+                    lo = self.shards.rank * u.shard_size
                     zero_update(u.master, u.m, u.v, u.reduced, runs(u, lo, lo + u.shard_size, hp), hp,
-                                self.comm, u.flat, u.shard)
+                                self.shards, u.flat, u.shard)
                 else:
                     ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
         self.t += 1
@@ -451,7 +451,7 @@ class Engine:
         self._drain()
         for u in self.units:
             master = self.optimizer_state(u, ("master",))["master"].to(self.device)
-            full = all_gather(master, self.comm, kind="state_dict") if self.sharded["optimizer"] else master
+            full = all_gather(master, self.shards, kind="state_dict") if self.sharded["optimizer"] else master
             for p, o in zip(u.params, u.offsets):
                 values[id(p)] = full[o:o + p.numel()].view(p.shape)
         out = {}
@@ -498,9 +498,9 @@ class Engine:
     def formula(self, offloaded=False, sent=False):
         """What memory() (offloaded=True: offloaded(); sent=True: the bytes one step sends,
         by the ledger's kinds) must be: minizero's formulas."""
-        layout = self.numel(), self.comm.world_size, self.stage, self.dtype
+        layout = self.numel(), self.shards.world_size, self.stage, self.dtype  # (a unit is cut S ways)
         if sent:
-            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype)
+            return comm_bytes_per_step(*layout, self.grad_accum, self.reduce_dtype, self.replicas.world_size)
         if offloaded:
             return offloaded_bytes(*layout, self.offload, self.offload_params)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype)

@@ -24,6 +24,10 @@ Gradients are always reduced with the same ring reduce-scatter (ops.py), so the 
 gradient shard is the same bits in every stage; AdamW is elementwise, so updating a shard
 gives the same bits as updating the whole buffer. Hence every stage is bit-identical to
 DDP. DESIGN.md has the whole argument.
+
+Hybrid sharding (Engine(shard_size=S), FSDP2's HSDP): units are cut over groups of S
+consecutive ranks (a node) and copied across the R = N/S groups; read N as S above, and
+the reduced shard is also all-reduced across the R copies once per step (DESIGN.md §10).
 """
 import dataclasses
 import math
@@ -150,10 +154,11 @@ class Place(NamedTuple):
 
 class Unit:
     """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
-    everything this rank keeps for it. What the stage shards is held as rank r's chunk."""
+    everything this rank keeps for it. What the stage shards is held as chunk r, r this
+    rank's place in `shards` (its shard group: all N ranks, or S of them when hybrid)."""
 
-    def __init__(self, module, named, comm, dtype, sharded, decays, place):
-        N, r = comm.world_size, comm.rank
+    def __init__(self, module, named, comm, shards, dtype, sharded, decay, place):
+        N, S = comm.world_size, shards.world_size
         self.index = place.index                    # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
         self.names = [n for n, _ in named]          # their names in the model, in registration order
@@ -161,9 +166,9 @@ class Unit:
         sizes = [p.numel() for p in self.params]
         self.offsets = list(accumulate(sizes, initial=0))[:-1]  # where each parameter starts in flat
         self.numel = sum(sizes)                     # Ψ_u, the unit's trainable elements
-        self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N
-        self.shard_size = self.padded // N          # rank r owns elements [r·s, (r+1)·s)
-        self.decays = decays                        # per parameter: does weight decay apply to it?
+        self.padded = -(-self.numel // N) * N       # ...plus zeros up to a multiple of N (a chunk cuts R ways)
+        self.shard_size = self.padded // S          # shard group rank r owns elements [r·s, (r+1)·s)
+        self.decays = [decay is None or bool(decay(n, p)) for n, p in named]  # per parameter: weight decay?
         self.used = [False] * len(self.params)      # per parameter: got a gradient this step (any rank)
         self.steps = [0] * len(self.params)         # per parameter: AdamW's step count (bias correction)
         self.flat = torch.zeros(self.padded, dtype=dtype, device=self.params[0].device)  # full params
@@ -171,7 +176,7 @@ class Unit:
             self.flat[o:o + p.numel()].copy_(p.detach().view(-1))
         self.point(self.flat)
         broadcast(self.flat, comm)  # as DDP does: every rank starts from rank 0's values
-        mine = self.chunk(self.flat, r) if sharded["optimizer"] else self.flat
+        mine = self.chunk(self.flat, shards.rank) if sharded["optimizer"] else self.flat
         self.shard = place.host(mine.clone(), place.params) if sharded["params"] else None  # stage 3: gathered
         mine = mine if self.shard is None else self.shard
         own = dtype != torch.float32 or place.state != "device"  # else the params are the master
@@ -239,7 +244,7 @@ SHARDED_FROM = {"optimizer": 1, "grads": 2, "params": 3}  # the first stage that
 
 
 def sharded(stage):
-    """{"optimizer": bool, "grads": bool, "params": bool}: what a rank keeps 1/N of."""
+    """{"optimizer": bool, "grads": bool, "params": bool}: what a rank keeps 1/N of (1/S, hybrid)."""
     return {what: stage >= first for what, first in SHARDED_FROM.items()}
 
 
@@ -309,28 +314,32 @@ def update(master, m, v, grad, pieces, hp):
             adamw(master[lo:hi], g, m[lo:hi], v[lo:hi], t, hp.lr, *hp.betas, hp.eps, decay)
 
 
-def reduce_grads(local, reduced, comm):
-    """Every stage, every micro-batch: reduce-scatter the local gradient (each rank sends
-    (N-1)/N·Ψ_u) and add this rank's shard to what earlier micro-batches reduced. The
-    ring fixes the order of the sum, so the shard is the same bits in every stage."""
-    shard = reduce_scatter(local, comm)
-    return shard if reduced is None else reduced + shard
+def reduce_grads(local, reduced, shards, replicas, last):
+    """Every stage, every micro-batch: reduce-scatter the local gradient inside the shard
+    group (each rank sends (S-1)/S·Ψ_u) and add this rank's shard to what earlier
+    micro-batches reduced. Hybrid, after the last micro-batch: all-reduce that shard
+    across the R replicas (2(R-1)/R·Ψ_u/S each, the only gradient bytes that leave the
+    group, once per step). The rings fix the order of the sum: the same bits in every stage."""
+    shard = reduce_scatter(local, shards)
+    reduced = shard if reduced is None else reduced + shard
+    return all_reduce(reduced, replicas, kind="all_reduce") if last and replicas.world_size > 1 else reduced
 
 
-def ddp_reduce(local, reduced, comm, last, out=None):
+def ddp_reduce(local, reduced, shards, replicas, last, out=None):
     """Stage 0: DDP's all-reduce, cut in two around accumulation. Reduce-scatter every
-    micro-batch; after the last, all-gather the summed shard so every rank holds the
-    whole reduced gradient ((N-1)/N·Ψ_u more). -> (reduced shard, whole or None). On
-    torch's collectives one micro-batch is one native all-reduce instead. One rank: its
-    gradient is the sum, and nothing moves (its bucket is overwritten only after the step)."""
-    if comm.world_size == 1:
+    micro-batch (reduce_grads); after the last, all-gather the summed shard so every rank
+    holds the whole reduced gradient ((S-1)/S·Ψ_u more). -> (reduced shard, whole or None).
+    On torch's collectives one micro-batch is one native all-reduce instead (not hybrid).
+    One rank: its gradient is the sum, and nothing moves (its bucket is overwritten only
+    after the step)."""
+    if shards.world_size == 1 and replicas.world_size == 1:
         reduced = (local if last else local.clone()) if reduced is None else reduced + local
         return reduced, (reduced if last else None)
-    if last and reduced is None and comm.native:
-        full = all_reduce(local, comm, out=out)  # (out: the bucket, often local itself)
-        return full.view(comm.world_size, -1)[comm.rank], full
-    reduced = reduce_grads(local, reduced, comm)
-    return reduced, (all_gather(reduced, comm, out=out) if last else None)
+    if last and reduced is None and shards.native and replicas.world_size == 1:
+        full = all_reduce(local, shards)
+        return full.view(shards.world_size, -1)[shards.rank], full
+    reduced = reduce_grads(local, reduced, shards, replicas, last)
+    return reduced, (all_gather(reduced, shards, out=out) if last else None)
 
 
 def ddp_update(flat, master, m, v, full_grad, pieces, hp):
@@ -341,27 +350,28 @@ def ddp_update(flat, master, m, v, full_grad, pieces, hp):
         flat.copy_(master)
 
 
-def zero_update(master, m, v, reduced, pieces, hp, comm, flat, shard):
+def zero_update(master, m, v, reduced, pieces, hp, shards, flat, shard):
     """Stages 1-3: each rank updates only its chunk, with its 1/N of the optimizer state,
-    then shares it (share_params)."""
+    then shares it in its shard group (share_params). Hybrid: each replica of a chunk
+    makes the same update from the same all-reduced gradient, so the copies stay equal."""
     update(master, m, v, reduced, pieces, hp)
-    share_params(master, comm, flat, shard)
+    share_params(master, shards, flat, shard)
 
 
-def share_params(master, comm, flat, shard):
+def share_params(master, shards, flat, shard):
     """Stages 1-2 keep whole params: all-gather the updated chunks into flat (each rank
-    sends (N-1)/N·Ψ_u). Stage 3 keeps only the 16-bit shard, which the next forward
-    gathers: nothing is sent here."""
+    sends (S-1)/S·Ψ_u, inside the group). Stage 3 keeps only the 16-bit shard, which the
+    next forward gathers: nothing is sent here."""
     if shard is None:
-        all_gather(master.to(flat.device, flat.dtype), comm, out=flat)
+        all_gather(master.to(flat.device, flat.dtype), shards, out=flat)
     elif shard is not master:
         shard.copy_(master)
 
 
-def gather_params(shard, flat, comm):
-    """Stage 3, before a unit's forward and again before its backward: all-gather every
-    rank's 16-bit shard into the unit's flat buffer (each rank sends (N-1)/N·Ψ_u)."""
-    return all_gather(shard.to(flat.device), comm, out=flat)  # (a shard offloaded to the host: copied in)
+def gather_params(shard, flat, shards):
+    """Stage 3, before a unit's forward and again before its backward: all-gather the
+    shard group's 16-bit shards into the unit's flat buffer (each rank sends (S-1)/S·Ψ_u)."""
+    return all_gather(shard.to(flat.device), shards, out=flat)  # (a shard offloaded to the host: copied in)
 
 
 def release_params(flat):
@@ -432,11 +442,13 @@ class ShardedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
 
-def clip_coef(grad_shards, max_norm, comm):
+def clip_coef(grad_shards, max_norm, shards):
     """torch's clip_grad_norm_ coefficient. The squared norm is summed per shard, then
-    across ranks in rank order, so it is the same number in every stage."""
+    across the shard group in rank order, so it is the same number in every stage. Hybrid:
+    the replicas hold the same reduced shards, so the group's sum is the whole norm (over
+    the replicas too it would count each element R times)."""
     local = sum((g * g).sum() for g in grad_shards).reshape(1)
-    per_rank = all_gather(local, comm, kind="clip")   # N floats: booked apart from Ψ
+    per_rank = all_gather(local, shards, kind="clip")   # S floats: booked apart from Ψ
     total = per_rank[0]
     for x in per_rank[1:]:
         total = total + x
@@ -453,7 +465,7 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
     compute: params 2Ψ, grads 2Ψ, optimizer 12Ψ (fp32 master, m, v); fp32: params 4Ψ,
     grads 4Ψ, optimizer 8Ψ (the params are the master). Each is cut N ways once it is
     sharded; a sharded grad is the reduced shard, in reduce_dtype. Offloaded state
-    (offloaded_bytes) is not resident: 0 here."""
+    (offloaded_bytes) is not resident: 0 here. Hybrid: world_size is S, what a unit is cut over."""
     d = torch.finfo(dtype).bits // 8
     g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
     per = {"params": 0 if offload_params else d, "grads": g,
@@ -473,17 +485,40 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
     return out
 
 
-def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None):
-    """Payload bytes one rank sends in one step: each ring collective over Ψ elements
-    sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are reduce-scattered once per micro-batch;
-    sharded params are gathered twice per micro-batch (forward and backward), whole ones
-    once per step (the grads at stage 0, the updated params at 1-2)."""
-    if world_size == 1:
-        return {}
-    per = lambda t: (world_size - 1) * (numel // world_size) * (torch.finfo(t).bits // 8)  # noqa: E731
-    grad, param = per(reduce_dtype or dtype), per(dtype)
+def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
+                        replicas=1):
+    """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
+    over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
+    reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
+    (forward and backward), whole ones once per step (the grads at stage 0, the updated
+    params at 1-2). Hybrid: world_size is S, the shard group's ranks, and the reduced shard
+    (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S."""
+    S, R = world_size, replicas
+    per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
+    grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
     gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
-    return {"reduce_scatter": grad * grad_accum, "all_gather": gathers}
+    out = {"reduce_scatter": grad * grad_accum, "all_gather": gathers,
+           "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype)}
+    return {k: v for k, v in out.items() if v}
+
+
+def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
+                        reduce_dtype=None, shard_size=None):
+    """Payload bytes a node's ranks send in one step, nodes being node_size consecutive
+    ranks -> {"intra": to ranks in the node, "inter": to other nodes, each the most any
+    node sends; "busiest": the most one rank sends to other nodes}. A ring sends each
+    rank's bytes to the next rank of its ring: the shard group's ring for the
+    reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
+    per node sends all it sends across; hybrid with S = node_size, every rank sends only
+    its all-reduce across."""
+    S = shard_size or world_size
+    intra, inter = [0] * world_size, [0] * world_size  # per rank
+    for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
+        for r in range(world_size):
+            right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
+            (inter if right // node_size != r // node_size else intra)[r] += b
+    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
+    return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
 def peak_memory(device):

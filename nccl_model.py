@@ -32,7 +32,7 @@ class Streams:
     """Every rank's one stream of exchanges, as NCCL runs them."""
 
     def __init__(self, world):
-        self.world = world                      # the ThreadWorld: its timeout, `failed`, barrier
+        self.world = world                      # the ThreadWorld: its timeout, `failed`, meetings
         self.queued = [deque() for _ in range(world.world_size)]  # each rank's exchanges, in issue order
         self.finished = [False] * world.world_size  # the rank's thread has returned or raised
         self.stuck = None                       # the deadlock, in words, once found
@@ -90,14 +90,16 @@ class Streams:
         if self.stuck is None and not self.world.failed.is_set() and any(self.queued) \
                 and all(q or done for q, done in zip(self.queued, self.finished)):
             self.stuck = f"point-to-point deadlock under NCCL's rules (strict_p2p=True): {self._heads()}"
-            self.world.barrier.abort()
+            self.world.abort_meetings()
         self.lock.notify_all()
 
     def _heads(self):
-        return "; ".join(f"rank {r} " + (f"is stuck in {q[0]}" + (f" ({len(q) - 1} more queued behind it)"
-                                                                   if len(q) > 1 else "") if q else
-                                         "has finished" if done else "is in no point-to-point operation")
-                         for r, (q, done) in enumerate(zip(self.queued, self.finished)))
+        def state(q, done):
+            if not q:
+                return "has finished" if done else "is in no point-to-point operation"
+            behind = f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "") if len(q) > 1 else ""
+            return f"is stuck in {q[0]}{behind}"
+        return "; ".join(f"rank {r} {state(q, done)}" for r, (q, done) in enumerate(zip(self.queued, self.finished)))
 
 
 class Exchange:

@@ -151,7 +151,7 @@ def disk_update(engine, hp):
     disk, units, error = engine.disk, engine.units, ""
     try:
         for i, state in disk.stream(range(len(units))):
-            u, lo = units[i], engine.comm.rank * units[i].shard_size
+            u, lo = units[i], engine.shards.rank * units[i].shard_size
             update(*state.view(3, -1), u.reduced, runs(u, lo, lo + u.shard_size, hp), hp)
             disk.write(i, state)
         disk.finish()
@@ -168,7 +168,7 @@ def disk_update(engine, hp):
                            f"and step counts are as they were. Free space there and train on")
     disk.commit()
     for i, master in disk.stream(range(len(units)), count=1):
-        share_params(master, engine.comm, units[i].flat, units[i].shard)
+        share_params(master, engine.shards, units[i].flat, units[i].shard)
 
 
 def _pwrite(fd, t, offset):

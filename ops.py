@@ -6,6 +6,8 @@ collectives written on it, and the ways to start a world of ranks.
     reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
     all_gather(shard) -> full       every rank ends with every rank's chunk
     all_reduce(x)     -> full       reduce_scatter then all_gather
+    Group(comm, ranks)              some of the ranks as a world of their own, so the same
+                                    rings run inside a node or across nodes (hybrid sharding)
 
 Every ring collective makes each rank send (N-1)/N of the buffer. The ring fixes the
 order in which chunk c is summed: it starts at rank c+1 and travels c+2, ..., c (mod N),
@@ -88,6 +90,7 @@ class ThreadComm:
     def __init__(self, rank, world):
         self.rank, self.world_size, self.world = rank, world.world_size, world
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
+        self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.native = False  # torch's own collectives instead of the ring
         self.device = world.device
 
@@ -100,7 +103,7 @@ class ThreadComm:
     def iexchange(self, send, dst, recv, src, kind="p2p"):
         """Start exchange(...): the Pending's wait() finishes it."""
         if send is not None:
-            self.sent[kind] += send.numel() * send.element_size()
+            _book(self, kind, dst, send.numel() * send.element_size())
         if self.world.p2p is not None:
             return self.world.p2p.issue(nccl_model.Exchange(self.rank, kind, send, dst, recv, src))
         if send is not None:  # queues never block: the send is done at once
@@ -127,26 +130,33 @@ class ThreadComm:
             payload.record_stream(stream)
         t.copy_(payload)
 
-    def run_native(self, op, x, out, kind):
-        """The thread world's native collective: every rank reads the others' x straight from
-        shared memory, as a native collective would, and sums in rank order."""
-        w = self.world
-        w.slots[self.rank] = (kind, x.detach(), _made(x))
-        self._barrier()
-        for src, (k, y, made) in enumerate(w.slots):
+    def run_native(self, op, x, out, kind, ranks=None):
+        """The thread world's native collective over `ranks` (global numbers; all by default):
+        every rank reads the others' x straight from shared memory, as a native collective
+        would, and sums in rank order."""
+        ranks = tuple(ranks or range(self.world_size))
+        slots, barrier = self.world.meeting(ranks)
+        me = ranks.index(self.rank)
+        slots[me] = (kind, x.detach(), _made(x))
+        self._barrier(barrier)
+        for src, (k, y, made) in zip(ranks, slots):
             _expect(self.rank, kind, x, src, _describe(k, y))
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
-        ys = torch.stack([y for _, y, _ in w.slots])
-        if ys.is_cuda:  # the reads above are done before their owners may overwrite them
-            torch.cuda.current_stream(ys.device).synchronize()
-        self._barrier()  # nobody may reuse its slot (or write into x: out may be x) until everyone has read it
-        return out.copy_(ys.view(-1) if op == "all_gather" else
-                         ys.sum(0).view(self.world_size, -1)[self.rank] if op == "reduce_scatter" else ys.sum(0))
+        ys = torch.stack([y for _, y, _ in slots])
+        out.copy_(ys.view(-1) if op == "all_gather" else
+                  ys.sum(0).view(len(ranks), -1)[me] if op == "reduce_scatter" else ys.sum(0))
+        if out.is_cuda:  # the reads above are done before their owners may overwrite them
+            torch.cuda.current_stream(out.device).synchronize()
+        self._barrier(barrier)  # nobody may reuse its slot until everyone has read it
+        return out
 
-    def _barrier(self):
+    def make_groups(self, rank_lists):  # thread ranks meet in any group on first use (ThreadWorld.meeting)
+        pass
+
+    def _barrier(self, barrier):
         try:
-            self.world.barrier.wait(timeout=self.world.timeout)
+            barrier.wait(timeout=self.world.timeout)
         except threading.BrokenBarrierError:
             raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
 
@@ -173,10 +183,25 @@ class ThreadWorld:
     def __init__(self, world_size, timeout, device, strict=False):
         self.world_size, self.timeout, self.device = world_size, timeout, device
         self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
-        self.slots = [None] * world_size
-        self.barrier = threading.Barrier(world_size)
+        self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
+        self.lock = threading.Lock()  # (ranks create meetings on first use)
         self.failed = threading.Event()
         self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
+
+    def meeting(self, ranks):
+        with self.lock:
+            if ranks not in self.meetings:
+                self.meetings[ranks] = ([None] * len(ranks), threading.Barrier(len(ranks)))
+            return self.meetings[ranks]
+
+    def abort(self):
+        self.failed.set()
+        self.abort_meetings()
+
+    def abort_meetings(self):  # wake every rank waiting in a native collective
+        with self.lock:
+            for _, barrier in self.meetings.values():
+                barrier.abort()
 
 
 def _thread_device(device):
@@ -220,8 +245,7 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
                 results[rank] = fn(ThreadComm(rank, world), *args)
         except BaseException as e:
             errors[rank] = e
-            world.failed.set()
-            world.barrier.abort()
+            world.abort()
         if world.p2p is not None:
             world.p2p.finish(rank)
 
@@ -246,7 +270,9 @@ class ProcessComm:
     def __init__(self, timeout=120.0, check=True, native=False):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout, self.check, self.native = timedelta(seconds=timeout), check, native
-        self.sent = Counter()
+        self.sent = Counter()  # collective kind -> payload bytes this rank has sent
+        self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
+        self.groups = {}  # ranks -> torch's process group of them, for native collectives in a Group
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":  # torch's rule for batch_isend_irecv on NCCL: the first call on
@@ -279,7 +305,7 @@ class ProcessComm:
         64-byte headers go first, as a group of their own, and the receiver checks its
         header before it posts the payload's receive (DESIGN.md §9)."""
         if send is not None:
-            self.sent[kind] += send.numel() * send.element_size()
+            _book(self, kind, dst, send.numel() * send.element_size())
             send = send.contiguous()
         what = _halves(kind, send, dst, recv, src)
         if self.check:
@@ -295,21 +321,34 @@ class ProcessComm:
         works = self._guard(what, lambda: dist.batch_isend_irecv(ops)) if ops else []
         return Pending(lambda: [self._guard(what, lambda w=w: w.wait(self.timeout)) for w in works])
 
-    def run_native(self, op, x, out, kind):
-        """torch's own collective (NCCL on GPU) of x into out; with check=True, a small
-        all-gather of headers first catches ranks in mismatched collectives."""
+    def run_native(self, op, x, out, kind, ranks=None):
+        """torch's own collective (NCCL on GPU) of x into out, over `ranks` (a group made by
+        make_groups; all by default); with check=True, a small all-gather of headers first
+        catches ranks in mismatched collectives."""
+        ranks = tuple(ranks or range(self.world_size))
+        if len(ranks) < self.world_size and ranks not in self.groups:
+            raise ValueError(f"no torch process group for ranks {ranks}: make it with comm.make_groups (ops.split does)")
+        group = self.groups.get(ranks)  # None: the whole world
         if self.check:
             h = self._header(kind, x)
-            hs = torch.empty(self.world_size * h.numel(), dtype=torch.uint8, device=h.device)
+            hs = torch.empty(len(ranks) * h.numel(), dtype=torch.uint8, device=h.device)
             self._guard("header all-gather",
-                        lambda: _NATIVE["all_gather"](hs, h, async_op=True).wait(self.timeout))
-            for src, g in enumerate(hs.view(self.world_size, -1)):
+                        lambda: _NATIVE["all_gather"](hs, h, group=group, async_op=True).wait(self.timeout))
+            for src, g in zip(ranks, hs.view(len(ranks), -1)):
                 self._check(kind, x, src, g)
         if op == "all_reduce":
-            self._guard(kind, lambda: dist.all_reduce(out.copy_(x), async_op=True).wait(self.timeout))
+            self._guard(kind, lambda: dist.all_reduce(out.copy_(x), group=group, async_op=True).wait(self.timeout))
         else:
-            self._guard(kind, lambda: _NATIVE[op](out, x.contiguous(), async_op=True).wait(self.timeout))
+            self._guard(kind, lambda: _NATIVE[op](out, x.contiguous(), group=group,
+                                                  async_op=True).wait(self.timeout))
         return out
+
+    def make_groups(self, rank_lists):
+        """torch's process groups for native collectives inside Groups. dist.new_group is a
+        collective of the whole world: every rank makes every group, in the same order."""
+        for ranks in rank_lists:
+            if 1 < len(ranks) < self.world_size and ranks not in self.groups:
+                self.groups[ranks] = dist.new_group(list(ranks))
 
 
 # torch's own collectives: *_single in newer torch, *_tensor in older (same arguments)
@@ -473,6 +512,61 @@ def _blame(procs, errors, dead):
 
 
 # -----------------------------------------------------------------------------
+# groups: some of the ranks as a world of their own (hybrid sharding, DESIGN.md §10)
+
+class Group:
+    """The ranks `ranks` (global numbers, in ring order) of comm as a world of their own:
+    rank and world_size are the group's, peers are translated to comm's numbers, and the
+    ledgers are comm's, so every ring collective below runs over a group unchanged."""
+
+    def __init__(self, comm, ranks):
+        self.comm = comm                        # the whole world's communicator
+        self.ranks = tuple(ranks)               # group rank i is global rank ranks[i]
+        self.rank = self.ranks.index(comm.rank)  # this rank's place in the group
+        self.world_size = len(self.ranks)
+        self.sent, self.sent_to, self.device = comm.sent, comm.sent_to, comm.device
+
+    @property
+    def native(self):  # the whole world's choice (Engine(native=...) sets it there)
+        return self.comm.native
+
+    def exchange(self, send, dst, recv, src, kind="p2p"):  # the one point-to-point operation
+        return self.comm.exchange(send, self._global(dst), recv, self._global(src), kind)
+
+    def iexchange(self, send, dst, recv, src, kind="p2p"):
+        return self.comm.iexchange(send, self._global(dst), recv, self._global(src), kind)
+
+    def _global(self, r):
+        return None if r is None else self.ranks[r]
+
+    def run_native(self, op, x, out, kind):
+        return self.comm.run_native(op, x, out, kind, self.ranks)
+
+
+def split(comm, shard_size):
+    """Hybrid sharding's two groups of this rank -> (shards, replicas): shards is its group of
+    shard_size consecutive ranks (a node, under torchrun), replicas the ranks at its position
+    in every such group. shard_size = world size (or None) is plain ZeRO: (comm, a group of one)."""
+    n, s = comm.world_size, comm.world_size if shard_size is None else shard_size
+    if not isinstance(s, int) or s < 1 or n % s:
+        raise ValueError(f"shard_size must divide the world size {n} (units are sharded over groups of "
+                         f"shard_size ranks and copied across world_size/shard_size groups); got {s!r}: "
+                         f"use one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    if s == n:
+        return comm, Group(comm, [comm.rank])
+    shards = [tuple(range(g, g + s)) for g in range(0, n, s)]
+    replicas = [tuple(range(p, n, s)) for p in range(s)]
+    comm.make_groups(shards + replicas)  # (torch's groups, for the native path: every rank makes all)
+    return Group(comm, shards[comm.rank // s]), Group(comm, replicas[comm.rank % s])
+
+
+def _book(comm, kind, dst, nbytes):
+    """The ledgers: bytes this rank sent, by collective kind and by peer (global rank)."""
+    comm.sent[kind] += nbytes
+    comm.sent_to[comm.ranks[dst] if isinstance(comm, Group) else dst] += nbytes
+
+
+# -----------------------------------------------------------------------------
 # the collectives, as rings of exchanges
 
 def _chunks(x, n):
@@ -489,8 +583,8 @@ def reduce_scatter(x, comm, kind="reduce_scatter"):
     chunks = _chunks(x, n)
     if n == 1:
         return chunks[0].clone()
-    if comm.native:  # booked as the ring would send
-        comm.sent[kind] += (n - 1) * chunks[0].numel() * x.element_size()
+    if comm.native:  # booked as the ring would send: all of it to the right
+        _book(comm, kind, (r + 1) % n, (n - 1) * chunks[0].numel() * x.element_size())
         return comm.run_native("reduce_scatter", x, torch.empty_like(chunks[0]), kind)
     right, left = (r + 1) % n, (r - 1) % n
     acc = chunks[(r - 1) % n].clone()   # step 0: my own piece of chunk r-1 starts its journey
@@ -510,7 +604,7 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     if n == 1:
         return out.copy_(shard)
     if comm.native:
-        comm.sent[kind] += (n - 1) * shard.numel() * shard.element_size()
+        _book(comm, kind, (r + 1) % n, (n - 1) * shard.numel() * shard.element_size())
         return comm.run_native("all_gather", shard, out, kind)
     chunks[r].copy_(shard)
     right, left = (r + 1) % n, (r - 1) % n
@@ -519,18 +613,18 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     return out
 
 
-def all_reduce(x, comm, out=None):
-    """Sum over ranks (into out; out=x sums in place): reduce-scatter then all-gather, so
-    each chunk is summed in the ring's order. Each rank sends 2(N-1)/N of x. The native
-    path is one all-reduce, booked as the ring's two halves (gloo's reduce-scatter is
-    itself an all-reduce)."""
+def all_reduce(x, comm, kind=None):
+    """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
+    ring's order. Each rank sends 2(N-1)/N of x, booked as the two halves' kinds (or both
+    as `kind`). The native path is one all-reduce, booked as the ring's two halves (gloo's
+    reduce-scatter is itself an all-reduce)."""
     n = comm.world_size
     if comm.native and n > 1:
         half = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
-        comm.sent["reduce_scatter"] += half
-        comm.sent["all_gather"] += half
-        return comm.run_native("all_reduce", x, torch.empty_like(x) if out is None else out, "all_reduce")
-    return all_gather(reduce_scatter(x, comm), comm, out=out)
+        _book(comm, kind or "reduce_scatter", (comm.rank + 1) % n, half)
+        _book(comm, kind or "all_gather", (comm.rank + 1) % n, half)
+        return comm.run_native("all_reduce", x, torch.empty_like(x), "all_reduce")
+    return all_gather(reduce_scatter(x, comm, kind or "reduce_scatter"), comm, kind=kind or "all_gather")
 
 
 def broadcast(x, comm, src=0, kind="broadcast"):

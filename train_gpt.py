@@ -195,7 +195,7 @@ DEFAULTS = dict(
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
-    sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True,
+    sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
 )
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -209,6 +209,8 @@ def parse_args(argv=None):
         p.add_argument(name, help=f"{help} (default: {DEFAULTS[name[2:].replace('-', '_')]})".strip(), **kw)
     opt("--world-size", int, "local ranks to spawn when not under torchrun")
     opt("--stage", int, "0 = DDP, 1-3 = ZeRO stages", choices=range(4))
+    opt("--shard-size", str, "hybrid sharding: shard over groups of this many ranks, copy across the groups; "
+        "'node': torchrun's LOCAL_WORLD_SIZE; None: all ranks")
     opt("--dtype", str, "compute dtype; None: bfloat16 on GPU, float32 on CPU", choices=list(DTYPES))
     for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "grad-accum", "steps",
                  "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens"):
@@ -255,6 +257,7 @@ def check_config(cfg):
                              "give a directory you can write to")
     if cfg["resume"]:
         check_resume(cfg["out_dir"], cfg["steps"])
+    shard_size(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
     if cfg["offload"] and cfg["stage"] == 0:
         raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
                          "state on every rank: use --stage 1, 2 or 3")
@@ -316,6 +319,18 @@ def mfu(n_params, c, tok_s, world_size):
     return flops / peak
 
 
+def shard_size(cfg, world_size):
+    """--shard-size as a number of ranks (None: all of them), checked against the world size."""
+    s = cfg["shard_size"]
+    if s is None:
+        return None
+    s = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if s == "node" else s
+    if not str(s).isdigit() or int(s) < 1 or world_size % int(s):
+        raise ValueError(f"--shard-size {s} must be 'node' or a number of ranks that divides the world size "
+                         f"{world_size}, like {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    return int(s)
+
+
 def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
@@ -335,8 +350,10 @@ def train(comm, cfg):
     engine = minizero.Engine(model, comm, c.stage, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
                              weight_decay=c.weight_decay, decay=lambda name, p: p.dim() >= 2,
                              dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None, offload=c.offload,
-                             offload_dir=c.offload_dir, pin_memory=c.pin_memory)
-    log(f"{N} ranks, ZeRO stage {c.stage}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
+                             offload_dir=c.offload_dir, pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N))
+    S = engine.shards.world_size
+    log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
+        + f", {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
         f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
     mem, formula = engine.memory(), engine.formula()
     for k in mem:
@@ -372,7 +389,7 @@ def train(comm, cfg):
         if step == c.steps:
             break
         engine.lr = get_lr(step, c)
-        sent_before = dict(comm.sent)
+        sent_before, to_before = dict(comm.sent), dict(comm.sent_to)
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -392,6 +409,10 @@ def train(comm, cfg):
             expect = engine.formula(sent=True)
             log("bytes sent per step by rank 0: " + ", ".join(
                 f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
+            if S < N:  # hybrid: what stays in the shard group (a node) and what leaves it
+                inside = sum(v - to_before.get(k, 0) for k, v in comm.sent_to.items() if k in engine.shards.ranks)
+                log(f"  of which to its shard group {inside:,}, to other groups "
+                    f"{sum(comm.sent_to.values()) - sum(to_before.values()) - inside:,}")
         if step % 10 == 0 or step == c.steps - 1:
             tok_s = tokens_per_step / times[-1]
             util = f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else ""
