@@ -8,6 +8,7 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
     python bench.py --max-model          # largest GPT per rank budget: DDP, FSDP2, stage 3 (+ disk), 4 ranks
     python bench.py --overhead           # one rank: minizero against a plain torch loop (GPU if there is one)
     python bench.py --gpu [--quick]      # gpu_check.sh: overhead over a plain torch loop, rows on CUDA
+    python bench.py --plot DIR [--quick] # memory.png and timeline.png (needs matplotlib: ".[plot]")
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
@@ -29,6 +30,7 @@ n_layer whose peak above baseline fits --budget-mb.
 """
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import tempfile
@@ -40,8 +42,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import flight
 import minizero
 import ops
+import plots
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20
@@ -72,6 +76,7 @@ class Variant:
     native: bool = False
     overlap: bool = True
     offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
+    record: bool = True  # False: the flight record switched off, to time what it costs
 
     @property
     def zero_stage(self):  # what the formulas count it as: DDP keeps all (0), FSDP2 shards all (3)
@@ -87,11 +92,12 @@ def variants(quick):
     # the rows a summary ratio compares come one after the other (a rep rotates the order)
     rows = [Variant("torch-ddp", "ddp"), ours(0, True), ours(0, False), Variant("stage3-ring-disk", "zero", 3,
             offload="disk"), ours(3, False), ours(3, True, False), ours(3, True), Variant("torch-fsdp2", "fsdp2")]
+    unrecorded = [Variant(f"stage{s}-ring-norec", "zero", s, record=False) for s in (0, 3)]
     if quick:  # just what the summary line needs
-        return rows
+        return rows + unrecorded
     # overlap (the reduce-scatter during backward; at stage 3 also the prefetch) at both ends
     return rows + [ours(s, f, ov) for s in (0, 1, 2, 3) for f in (False, True)
-                   for ov in ((True, False) if s in (0, 3) else (True,)) if ours(s, f, ov) not in rows]
+                   for ov in ((True, False) if s in (0, 3) else (True,)) if ours(s, f, ov) not in rows] + unrecorded
 
 
 # -----------------------------------------------------------------------------
@@ -114,9 +120,10 @@ def build(v, comm, gcfg, meta=False):
                                  decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
                                  offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None,
                                  init=model.init_weights if meta else None)
+        record = comm.flight if v.record else NoRecord(comm.rank)
 
         def step(x, y):
-            comm.native = v.native
+            comm.native, comm.flight = v.native, record
             _, loss = model(x, y)
             engine.backward(loss)
             engine.step()
@@ -141,6 +148,16 @@ def build(v, comm, gcfg, meta=False):
         opt.zero_grad(set_to_none=True)
         return loss.item()
     return step, None
+
+
+class NoRecord(flight.Flight):
+    """The flight record switched off (here only): the difference in ms/step is what it costs."""
+
+    def start(self, op, kind, t):
+        return None
+
+    def end(self, rec):
+        pass
 
 
 def decay_groups(model):
@@ -309,7 +326,7 @@ def bench(cfg):
     ms, cpu_ms = medians(times), medians(cpu)
     mem = {}
     for v in cfg.variants:  # one fresh world per row: peak RSS is a lifetime maximum
-        per_rank = run_measured(memory_world, N, cfg, v)
+        per_rank = run_measured(memory_world, N, cfg, v) if v.record else [(float("nan"),) * 3]
         mem[v.name] = (max(p for p, _, _ in per_rank), max(p - b for p, b, _ in per_rank))
     ddp, fsdp = ms["torch-ddp"], ms["torch-fsdp2"]
     mib = lambda b: "n/a" if b is None else f"{b / MiB:.2f}"  # noqa: E731
@@ -340,9 +357,58 @@ def bench(cfg):
     print(f"targets: stage0-native/ddp <= 1.00 {ok(s0 <= 1.00)}; stage3-native/fsdp2 <= 0.85 {ok(s3 <= 0.85)}; "
           f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
           f"(worst stage: {worst}); overhead over a plain loop <= 1.05 {ok(big <= 1.05)}")
+    print("flight record (always on), ms/step with / without: " + ", ".join(
+        f"stage{s}-ring {ms[f'stage{s}-ring']:.1f} / {ms[f'stage{s}-ring-norec']:.1f} "
+        f"({ms[f'stage{s}-ring'] / ms[f'stage{s}-ring-norec']:.3f}x)" for s in (0, 3)))
     print(f"summary: stage0-native/ddp {s0:.2f}x (CPU {s0_cpu:.2f}x)  stage3-native/fsdp2 {s3:.2f}x (CPU "
           f"{s3_cpu:.2f}x)  stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in "
           f"memory {disk:.2f}x  overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
+
+
+def plot(out_dir, quick):
+    """--plot: memory.png (stages 0-3 against N: formula lines, Engine.memory() points, thread
+    worlds) and timeline.png (a stage-3 step traced on gloo ranks) in out_dir (plots.py)."""
+    plt = plots.pyplot()
+    if plt is None:
+        return 2
+    cfg = Config(n_layer=2, n_embd=64, block=32, batch=4) if quick else Config()
+    worlds = range(1, 5 if quick else 9)
+    measured = {}
+    for n in worlds:
+        for stage, nbytes in enumerate(ops.run_threads(state_bytes, n, gpt_config(cfg))[0]):
+            measured[stage, n] = nbytes
+    os.makedirs(out_dir, exist_ok=True)
+    plots.memory_png(plt, os.path.join(out_dir, "memory.png"), meta_params(cfg, cfg.n_layer), torch.bfloat16,
+                     measured, list(worlds))
+    with tempfile.TemporaryDirectory() as tmp:
+        ops.run_processes(traced_world, cfg.world_size, cfg, tmp, check=False, timeout=600)
+        traces = []
+        for r in range(cfg.world_size):
+            with open(os.path.join(tmp, f"rank{r}.json")) as f:
+                traces.append(json.load(f)["traceEvents"])
+    plots.timeline_png(plt, os.path.join(out_dir, "timeline.png"), traces, step=2)
+    print(f"wrote {out_dir}/memory.png and {out_dir}/timeline.png")
+    return 0
+
+
+def state_bytes(comm, gcfg):
+    """Engine.memory() of each stage (bf16 compute, fp32 AdamW) on this thread world."""
+    out = []
+    for stage in range(4):
+        engine = minizero.Engine(GPT(gcfg, torch.Generator().manual_seed(1337)), comm, stage, dtype=torch.bfloat16)
+        out.append(sum(engine.memory().values()))
+        engine.close()
+    return out
+
+
+def traced_world(comm, cfg, trace_dir):
+    """Three stage-3 steps of the timing table's GPT with Engine(trace=...): its first three."""
+    torch.set_num_threads(1)
+    step, engine = build(Variant("stage3-ring", "zero", 3), comm, gpt_config(cfg))
+    flight.Tracer(trace_dir, comm, engine.units)  # (build() makes the engine; this is trace=trace_dir)
+    for x, y in batches(cfg, comm.rank, 3):
+        step(x, y)
+    engine.close()
 
 
 MAX_MODEL_ROWS = [Variant("stage0-ring", "zero", 0), Variant("torch-fsdp2", "fsdp2"),
@@ -507,8 +573,11 @@ if __name__ == "__main__":
                     help=f"--max-model: MiB of peak RSS per rank above baseline (default {Config.budget_mb})")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant per rep")
+    ap.add_argument("--plot", metavar="DIR", help="write memory.png and timeline.png there (needs matplotlib)")
     a = ap.parse_args()
 
+    if a.plot:
+        raise SystemExit(plot(a.plot, a.quick))
     if a.gpu:
         gpu_bench(a.quick)
     elif a.max_model:  # wide and shallow per layer, tiny batch: model state dominates activations

@@ -168,10 +168,18 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     if device.type == "cuda":  # before make_model may start cuBLAS
         os.environ.setdefault(*CUBLAS)
     model = make_model()
+    drawn = random_modules(model, make_batch(0, 0, 0), loss_fn or default_loss)
+    if drawn and not processes:
+        raise ValueError(f"the model draws random numbers in forward ({', '.join(drawn[:3])}"
+                         f"{', ...' if len(drawn) > 3 else ''}): thread ranks share torch's random number generator, "
+                         f"so their runs cannot be compared; run it on processes (--processes, processes=True: each "
+                         f"rank draws from a seed of its own, as the referee does), or without randomness "
+                         f"(model.eval() in make_model, or dropout 0)")
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
     spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss, steps=steps,
-                jitter=jitter, engine_kw=engine_kw, state={k: v.clone() for k, v in model.state_dict().items()})
+                jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
+                state={k: v.clone() for k, v in model.state_dict().items()})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
     restore = _deterministic(device)
@@ -202,6 +210,39 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
         torch.set_num_threads(threads)
         restore()
     return report
+
+
+def random_modules(model, batch, loss_fn):
+    """The modules whose own forward moves torch's global random state (dropout, noise), as
+    'name: Module(...)', from one forward of a copy without gradients; the state is put back."""
+    probe, before, moved = copy.deepcopy(model), {}, []
+    names = {m: name or "(the model)" for name, m in probe.named_modules()}
+
+    def pre(m, args):
+        before.setdefault(m, torch.random.get_rng_state())
+
+    def post(m, args, out):
+        if not torch.equal(before.pop(m), torch.random.get_rng_state()):
+            moved.append(m)
+    hooks = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    state = torch.random.get_rng_state()
+    try:
+        with torch.no_grad():
+            loss_fn(probe, batch)
+    except Exception:  # a model that fails: the run itself reports where, on its ranks
+        return []
+    finally:
+        torch.random.set_rng_state(state)
+        for h in hooks:
+            h.remove()
+    moved = list(dict.fromkeys(moved))  # a parent moves it only through a child that did: name the child
+    return [f"{names[m]}: {m if not list(m.children()) else type(m).__name__}" for m in moved
+            if not any(c in moved for c in list(m.modules())[1:])]
+
+
+def _seed(step, rank, micro):
+    """A model that draws random numbers draws them from this seed, in every stage and in the referee."""
+    return 1_000_003 * step + 1009 * rank + micro
 
 
 CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting, read when cuBLAS starts
@@ -251,6 +292,8 @@ def _rank(comm, stage, spec):
         before, grads, kept = dict(comm.sent), [], []
         for micro in range(engine.grad_accum):
             batch = _to(spec["make_batch"](step, comm.rank, micro), comm.device)
+            if spec.get("seeded"):  # (a spec made elsewhere may not say)
+                torch.manual_seed(_seed(step, comm.rank, micro))
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
             kept.append(_kept_too_much(engine))
@@ -295,9 +338,9 @@ def _jitter(engine, rng):
     they change when bytes move, which must never change what they sum to."""
     submit = engine._submit
 
-    def delayed(job):
+    def delayed(job, *where):
         pause = rng.uniform(0, 0.002)
-        return submit(lambda: (time.sleep(pause), job())[1])
+        return submit(lambda: (time.sleep(pause), job())[1], *where)
     engine._submit = delayed
 
 
@@ -439,6 +482,8 @@ def _torch_grad(model, names, spec, step, n, accum, scale, device):
         for k in range(accum):
             model.zero_grad(set_to_none=True)
             batch = _to(spec["make_batch"](step, r, k), device)
+            if spec.get("seeded"):  # (a spec made elsewhere may not say)
+                torch.manual_seed(_seed(step, r, k))
             (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
             for nm in names:
                 g = model.get_parameter(nm).grad

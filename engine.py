@@ -17,10 +17,11 @@ import weakref
 import torch
 
 import checkpoint
+from flight import Tracer
 from minizero import (DTYPES, Hyper, Place, Unit, cast_floats, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, reduce_grads, release_params, runs, sharded, tensors,
-                      zero_update)
+                      zero_update, _nbytes)
 from offload import DiskState, check_offload, disk_update
 from ops import Pending, all_gather, broadcast, comm_thread, split
 
@@ -34,7 +35,7 @@ class Engine:
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, scale_window=1000, skip_limit=25,
                  broadcast_buffers=True, offload=None, offload_dir=None, offload_params=False,
-                 pin_memory=True, init=None, overlap=True, native=None, shard_size=None):
+                 pin_memory=True, init=None, overlap=True, native=None, shard_size=None, trace=None):
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
         if dtype not in DTYPES:
@@ -108,6 +109,7 @@ class Engine:
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=device)  # own gradients all finite? (on device)
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
+        self.tracer = trace and Tracer(trace, comm, self.units)  # trace=DIR: a Chrome trace per rank
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
@@ -127,10 +129,11 @@ class Engine:
 
     # ---- communication runs on its own thread, in the order it is asked for
 
-    def _submit(self, job):
+    def _submit(self, job, phase="", u=None):
         """Run job() on this rank's communication thread (overlap=True) while autograd
         computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks."""
+        thread runs them in that order, so they pair up across ranks (flight.py records when asked for)."""
+        job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, torch.is_grad_enabled()), job)
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
@@ -190,7 +193,8 @@ class Engine:
             u.flat.untyped_storage().resize_(u.padded * u.flat.element_size())
             if u.viewing is not u.flat:  # after gathered() they still view what it held
                 u.point(u.flat)
-            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards))
+            u.pending = self._submit(lambda: gather_params(u.shard, u.flat, self.shards),
+                                     "backward regather" if self.in_backward else "forward gather", u)
         return u.pending
 
     def _release(self, u):
@@ -322,7 +326,7 @@ class Engine:
             else:  # the whole optimizer on every rank needs the whole gradient
                 out = u.grad if u.grad.dtype == local.dtype else None  # reuse the bucket
                 u.reduced, u.full_grad = ddp_reduce(local, reduced, self.shards, self.replicas, last, out)
-        self.jobs.append(self._submit(job))
+        self.jobs.append(self._submit(job, "gradient reduction", u))
         if len(self.jobs) > 2:  # at most one reduction queued behind the one sending: each holds a
             self.jobs.pop(0).wait()  # whole unit's gradient, and a slow link must not pile them up
         u.arrived, u.flushed, u.local = set(), True, None  # stage 2: the full gradient is gone
@@ -370,6 +374,7 @@ class Engine:
         if self.clip is not None:
             coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip, self.shards)
         hp = Hyper(self.lr, self.betas, self.eps, self.weight_decay, unscale, coef)
+        self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)  # (flight.py: the all-gathers below)
         for u in self.units:
             u.steps = [t + used for t, used in zip(u.steps, u.used)]
         if self.disk is not None:  # (offload.py: streamed through the files, committed only if all wrote)
@@ -383,6 +388,7 @@ class Engine:
                 else:
                     ddp_update(u.flat, u.master, u.m, u.v, u.full_grad, runs(u, 0, u.padded, hp), hp)
         self.t += 1
+        self.comm.flight.stepped(self.t)  # (the phase above is over; Engine(trace=...) writes its file)
         self.skips_in_row = 0
         self._drop_grads()
         if self.dtype == torch.float16:
@@ -540,11 +546,6 @@ class Engine:
                 self.pool.shutdown()
             if self.disk is not None:
                 self.disk.close()
-
-
-def _nbytes(device, *ts):
-    """Bytes of those of ts (None skipped) that live on device."""
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it here

@@ -521,6 +521,11 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
     return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
+def _nbytes(device, *ts):
+    """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
+
+
 def peak_memory(device):
     """Measured peak bytes of this process: CUDA's max allocated on GPU, peak RSS on CPU."""
     if torch.device(device).type == "cuda":

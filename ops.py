@@ -23,6 +23,7 @@ Two transports run the same ring code:
 """
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import pickle
@@ -41,11 +42,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import flight
 import nccl_model
-
-
-class PeerFailed(RuntimeError):
-    """Raised on a rank whose peer failed or went silent: the world cannot go on."""
+from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed, call_site  # noqa: F401
 
 
 def _describe(kind, t):  # at most 64 characters: it travels as the processes' header
@@ -93,6 +92,7 @@ class ThreadComm:
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.native = False  # torch's own collectives instead of the ring
         self.device = world.device
+        self.flight = world.flights[rank] = Flight(rank)  # the last collectives (flight.py)
 
     def exchange(self, send, dst, recv, src, kind="p2p"):
         """Send `send` to rank dst and receive into `recv` from rank src, issued as one
@@ -108,21 +108,23 @@ class ThreadComm:
             return self.world.p2p.issue(nccl_model.Exchange(self.rank, kind, send, dst, recv, src))
         if send is not None:  # queues never block: the send is done at once
             payload = send.detach().clone()
-            self.world.queues[self.rank, dst].put((kind, payload, _made(payload)))
+            self.world.queues[self.rank, dst].put((kind, payload, _made(payload), self.flight.tag))
         return Pending(lambda: None if recv is None else self._take(recv, src, kind))
 
     def _take(self, t, src, kind):
         deadline = time.monotonic() + self.world.timeout
         while True:
             try:  # a message already sent is delivered, as on a real transport, though its sender failed since
-                got_kind, payload, made = self.world.queues[src, self.rank].get(timeout=0.05)
+                got_kind, payload, made, tag = self.world.queues[src, self.rank].get(timeout=0.05)
                 break
             except queue.Empty:
                 if self.world.failed.is_set():
                     raise PeerFailed(f"rank {self.rank}: a peer failed, giving up")
                 if time.monotonic() > deadline:
-                    raise PeerFailed(f"rank {self.rank}: no message from rank {src} within "
-                                     f"{self.world.timeout}s ({_describe(kind, t)})")
+                    self.world.broken(self.rank, f"rank {self.rank} had no message from rank {src} within "
+                                      f"{self.world.timeout}s ({_describe(kind, t)})", stall=True)
+        if tag != self.flight.tag:  # the sender is in another collective: stop before the payload is read
+            self.world.broken(self.rank, f"rank {self.rank} got rank {src}'s message of another collective")
         _expect(self.rank, kind, t, src, _describe(got_kind, payload))
         if made is not None:  # CUDA: read what the sender's stream has written, and keep the
             stream = torch.cuda.current_stream(payload.device)  # payload's memory until we have read it
@@ -137,13 +139,15 @@ class ThreadComm:
         ranks = tuple(ranks or range(self.world_size))
         slots, barrier = self.world.meeting(ranks)
         me = ranks.index(self.rank)
-        slots[me] = (kind, x.detach(), _made(x))
+        slots[me] = (kind, x.detach(), _made(x), self.flight.tag)
         self._barrier(barrier)
-        for src, (k, y, made) in zip(ranks, slots):
+        if any(s[3] != self.flight.tag for s in slots):  # every rank sees it: the world stays usable
+            self.world.broken(self.rank, f"rank {self.rank} read the ranks' native {kind} headers", latch=False)
+        for src, (k, y, made, _) in zip(ranks, slots):
             _expect(self.rank, kind, x, src, _describe(k, y))
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
-        ys = torch.stack([y for _, y, _ in slots])
+        ys = torch.stack([s[1] for s in slots])
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(len(ranks), -1)[me] if op == "reduce_scatter" else ys.sum(0))
         if out.is_cuda:  # the reads above are done before their owners may overwrite them
@@ -158,7 +162,10 @@ class ThreadComm:
         try:
             barrier.wait(timeout=self.world.timeout)
         except threading.BrokenBarrierError:
-            raise PeerFailed(f"rank {self.rank}: a peer failed or timed out at a collective")
+            if self.world.failed.is_set():
+                raise PeerFailed(f"rank {self.rank}: a peer failed, giving up")
+            self.world.broken(self.rank, f"rank {self.rank} waited {self.world.timeout}s for the others at a "
+                              f"native collective", stall=True)
 
 
 def comm_thread(comm):
@@ -187,6 +194,24 @@ class ThreadWorld:
         self.lock = threading.Lock()  # (ranks create meetings on first use)
         self.failed = threading.Event()
         self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
+        self.flights = [None] * world_size  # each rank's flight record, read by whoever diagnoses
+
+    def broken(self, rank, reason, stall=False, latch=True):
+        """Raise the diagnosis from every rank's record; latch=True: the world is broken, so
+        every rank's next collective raises (the others wake up through `failed`)."""
+        me = self.flights[rank]
+        me.site = call_site(me.owner)  # (its thread may have ended by the time another rank looks)
+        seq, deadline = me.seq, time.monotonic() + 0.5
+        while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
+            time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
+        snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
+        error = flight.diagnose(snaps, self.world_size, reason, rank, self.timeout if stall else None)
+        if latch:
+            for f in self.flights:
+                if f is not None and f.failed is None:
+                    f.failed = PeerFailed(f"rank {f.rank}: the world broke at another rank (see its error)")
+            self.abort_meetings()
+        raise error
 
     def meeting(self, ranks):
         with self.lock:
@@ -246,18 +271,28 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
         except BaseException as e:
             errors[rank] = e
             world.abort()
+        finally:  # (its thread id may go to another thread now)
+            if world.flights[rank] is not None:
+                world.flights[rank].owner = None
         if world.p2p is not None:
             world.p2p.finish(rank)
 
     threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    deadline = None
+    for t in threads:  # once a rank has failed, one stuck outside collectives (stalled) gets 2 s, not forever
+        while t.is_alive() and (deadline is None or time.monotonic() < deadline):
+            t.join(0.05)
+            if errors and deadline is None:
+                deadline = time.monotonic() + 2.0
     if world.p2p is not None and world.p2p.stuck:
         raise RuntimeError(world.p2p.stuck)
-    if errors:  # report the rank that failed first-hand, not the peers that gave up on it
-        rank = min(errors, key=lambda r: (isinstance(errors[r], PeerFailed), r))
+    if errors:  # report the rank the diagnosis blames, else the one that failed first-hand, not those that gave up
+        rank = min(errors, key=lambda r: (not hasattr(errors[r], "culprit"), isinstance(errors[r], PeerFailed), r))
+        if hasattr(errors[rank], "culprit"):
+            e = errors[rank]
+            raise RuntimeError(f"rank {e.culprit} failed: {type(e).__name__}: {e}") from e
         raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
     return results
 
@@ -267,7 +302,7 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
 # message is preceded by a 64-byte header naming its kind, size and dtype.
 
 class ProcessComm:
-    def __init__(self, timeout=120.0, check=True, native=False):
+    def __init__(self, timeout=120.0, check=True, native=False, store=None):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout, self.check, self.native = timedelta(seconds=timeout), check, native
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
@@ -275,26 +310,47 @@ class ProcessComm:
         self.groups = {}  # ranks -> torch's process group of them, for native collectives in a Group
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
+        self.flight = Flight(self.rank)  # the last collectives (flight.py)
+        self.store = store or dist.distributed_c10d._get_default_store()  # where ranks leave their records
+        flight.watch(self.store, self.flight, self.world_size)  # a thread answers for this rank, however busy
         if self.device.type == "cuda":  # torch's rule for batch_isend_irecv on NCCL: the first call on
             self._guard("the first collective",  # the group is one every rank takes part in (DESIGN.md §9)
                         lambda: dist.all_reduce(torch.zeros(1, device=self.device), async_op=True).wait(self.timeout))
 
     def _header(self, kind, t):
-        h = _describe(kind, t).encode().ljust(64)
-        return torch.frombuffer(bytearray(h), dtype=torch.uint8).to(t.device)
+        """The 8 numbers (64 bytes) a message carries ahead of its payload: the sender's record
+        tag (sequence number, kind, phase, unit, grad mode, size), the payload's size and dtype."""
+        return torch.tensor([*self.flight.tag, t.numel(), DTYPE_CODE.get(t.dtype, 0)], device=t.device)
 
-    def _check(self, kind, t, src, header):
-        _expect(self.rank, kind, t, src, bytes(header.cpu().tolist()).decode().strip())
+    def _check(self, kind, t, src, header, latch=True):
+        if not torch.equal(header.cpu(), self._header(kind, t).cpu()):
+            self._broken(f"rank {self.rank} got rank {src}'s header of another collective", latch=latch)
+
+    def _broken(self, reason, stall=False, latch=True):
+        """Raise the diagnosis from every rank's record, gathered through the store. latch=True:
+        the world is broken, so every rank (its watcher thread) is told, and no rank posts a
+        message again (a stale payload meeting a header would abort gloo's process)."""
+        if latch:
+            self.flight.failed = self.flight.failed or PeerFailed(f"rank {self.rank}: the world broke here")
+            if not self.store.check([FAILED]):
+                self.store.set(FAILED, reason)
+        incident = "fail" if latch else f"x{self.flight.tag[0]}"
+        snaps = flight.exchange_snapshots(self.store, self.flight, self.world_size, incident)
+        raise flight.diagnose(snaps, self.world_size, reason, self.rank,
+                              self.timeout.total_seconds() if stall else None)
 
     def _guard(self, what, op):
         """Run op, which starts or finishes a transfer. Once a peer is gone, gloo raises in
-        either ('Connection reset by peer' at once, or the timeout): that is the peer's
-        failure, so it is a PeerFailed, and run_processes looks for the first-hand one."""
+        either ('Connection reset by peer' at once, or the timeout): the world is broken.
+        After a timeout (or once a rank has diagnosed it) the diagnosis says by whom."""
         try:
             return op()
         except Exception as e:
-            raise PeerFailed(f"rank {self.rank}: {what} failed or timed out "
-                             f"after {self.timeout.total_seconds()}s: {e}") from e
+            reason = f"rank {self.rank}: {what} failed or timed out after {self.timeout.total_seconds()}s: {e}"
+            if "timed out" in str(e).lower() or self.store.check([FAILED]):  # a stall, or a diagnosed world
+                self._broken(reason.splitlines()[0][:300], stall=True)
+            self.flight.failed = PeerFailed(f"rank {self.rank}: the world broke here")
+            raise PeerFailed(reason) from e  # a peer is gone: the launcher names it
 
     def exchange(self, send, dst, recv, src, kind="p2p"):
         """As ThreadComm.exchange: one group of torch.distributed.batch_isend_irecv."""
@@ -309,7 +365,7 @@ class ProcessComm:
             send = send.contiguous()
         what = _halves(kind, send, dst, recv, src)
         if self.check:
-            got = None if recv is None else torch.empty(64, dtype=torch.uint8, device=recv.device)
+            got = None if recv is None else torch.empty(8, dtype=torch.int64, device=recv.device)
             self._group(what, None if send is None else self._header(kind, send), dst, got, src).wait()
             if got is not None:
                 self._check(kind, recv, src, got)
@@ -331,11 +387,11 @@ class ProcessComm:
         group = self.groups.get(ranks)  # None: the whole world
         if self.check:
             h = self._header(kind, x)
-            hs = torch.empty(len(ranks) * h.numel(), dtype=torch.uint8, device=h.device)
+            hs = torch.empty(len(ranks) * h.numel(), dtype=h.dtype, device=h.device)
             self._guard("header all-gather",
                         lambda: _NATIVE["all_gather"](hs, h, group=group, async_op=True).wait(self.timeout))
             for src, g in zip(ranks, hs.view(len(ranks), -1)):
-                self._check(kind, x, src, g)
+                self._check(kind, x, src, g, latch=False)  # every rank sees it: the world stays usable
         if op == "all_reduce":
             self._guard(kind, lambda: dist.all_reduce(out.copy_(x), group=group, async_op=True).wait(self.timeout))
         else:
@@ -356,14 +412,16 @@ _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_
            "all_gather": getattr(dist, "all_gather_single", dist.all_gather_into_tensor)}
 
 
-def init_from_env(timeout=300.0, check=False, native=True):
+def init_from_env(timeout=300.0, check=None, native=True):
     """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
-    else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun."""
+    else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun.
+    check (headers before every message) defaults to on for gloo, whose process aborts
+    when a message meets a receive of another size; on nccl a mismatch is found by the timeout."""
     device = None
     if torch.cuda.is_available():
         device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device)
-    return ProcessComm(timeout, check, native)
+    return ProcessComm(timeout, device is None if check is None else check, native)
 
 
 def _rank_device(local_rank):
@@ -423,10 +481,11 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, parent,
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), device_id=device)
-        out = fn(ProcessComm(timeout, check), *args)
+        out = fn(ProcessComm(timeout, check, store=store), *args)
         results.put(("ok", rank, pickle.dumps(out)))
-    except BaseException as e:
-        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    except BaseException as e:  # (a diagnosis ends with the rank it blames, for _blame)
+        blame = f"\n{e.culprit}" if hasattr(e, "culprit") else ""
+        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}{blame}"))
     results.close()
     results.join_thread()  # the result is handed over: now leave without gloo's exit-time abort
     os._exit(0)
@@ -499,14 +558,20 @@ def _wait_for_ranks(procs, results, out, grace=2.0):
 
 
 def _blame(procs, errors, dead):
-    """The first-hand failure: a rank that died (its peers' errors follow from that), else
-    a rank's own error, else the lowest rank that gave up on a peer (PeerFailed)."""
+    """The first-hand failure: a rank that died (its peers' errors follow from that), else a
+    rank's own error, else the rank a flight diagnosis blames (one that went its own way or
+    never arrived: not the first rank that died of it), else the lowest rank that gave up
+    on a peer (PeerFailed)."""
     if dead:
         code = procs[dead[0]].exitcode
         name = {s.value: s.name for s in signal.Signals}.get(-code, "unnamed")
         return f"rank {dead[0]} " + (f"was killed by signal {-code} ({name})" if code < 0
                                      else f"died with exit code {code}")
-    own = [r for r in sorted(errors) if not errors[r].startswith("PeerFailed:")]
+    diagnosed = ("CollectiveMismatch:", "CollectiveStall:")
+    own = [r for r in sorted(errors) if not errors[r].startswith(("PeerFailed:", *diagnosed))]
+    if not own and any(e.startswith(diagnosed) for e in errors.values()):
+        message, culprit = next(e for _, e in sorted(errors.items()) if e.startswith(diagnosed)).rsplit("\n", 1)
+        return f"rank {culprit} failed: {message}"  # (_process_main appends the rank it blames)
     r = own[0] if own else min(errors)
     return f"rank {r} failed: {errors[r]}"
 
@@ -529,6 +594,10 @@ class Group:
     @property
     def native(self):  # the whole world's choice (Engine(native=...) sets it there)
         return self.comm.native
+
+    @property
+    def flight(self):  # the whole world's record (flight.py): every rank runs the same groups' collectives
+        return self.comm.flight
 
     def exchange(self, send, dst, recv, src, kind="p2p"):  # the one point-to-point operation
         return self.comm.exchange(send, self._global(dst), recv, self._global(src), kind)
@@ -576,6 +645,21 @@ def _chunks(x, n):
     return x.view(n, -1)
 
 
+def _recorded(op):
+    """A collective's entry point: one record in comm.flight (flight.py) from its start to its end;
+    a collective that raises stays the rank's current one, for the diagnosis."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def collective(x, comm, *args, **kw):
+            rec = comm.flight.start(op, kw.get("kind", op), x)
+            out = fn(x, comm, *args, **kw)
+            comm.flight.end(rec)
+            return out
+        return collective
+    return wrap
+
+
+@_recorded("reduce_scatter")
 def reduce_scatter(x, comm, kind="reduce_scatter"):
     """Sum x over ranks; rank r returns chunk r. Each rank sends (N-1)/N of x.
     Chunk c is summed in the order rank c+1, c+2, ..., c (mod N), rounded at every hop."""
@@ -595,6 +679,7 @@ def reduce_scatter(x, comm, kind="reduce_scatter"):
     return acc                          # after N-1 hops: chunk r, summed by every rank
 
 
+@_recorded("all_gather")
 def all_gather(shard, comm, out=None, kind="all_gather"):
     """Concatenate every rank's shard in rank order. Each rank sends (N-1)/N of the result."""
     n, r = comm.world_size, comm.rank
@@ -613,6 +698,7 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
     return out
 
 
+@_recorded("all_reduce")
 def all_reduce(x, comm, kind=None):
     """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
     ring's order. Each rank sends 2(N-1)/N of x, booked as the two halves' kinds (or both
@@ -627,6 +713,7 @@ def all_reduce(x, comm, kind=None):
     return all_gather(reduce_scatter(x, comm, kind or "reduce_scatter"), comm, kind=kind or "all_gather")
 
 
+@_recorded("broadcast")
 def broadcast(x, comm, src=0, kind="broadcast"):
     """Copy src's x into every rank's x along the chain src -> src+1 -> ... (in place)."""
     n, r = comm.world_size, comm.rank

@@ -80,9 +80,10 @@ def test_grads_reduced_in_fp32_under_bf16_match_the_formulas():
 
 
 def test_a_model_that_draws_from_the_global_rng():
-    first = run(model=dict(noisy=True)).first
-    assert (first.what, first.step, first.micro, first.stage, first.name) == ("grads", 0, 0, 1, "gate")
-    assert first.ours != first.theirs and first.max_ulp > 0
+    """Thread ranks share torch's RNG, so such runs cannot be compared: a clear stop, never
+    'diverges' (test_flight.py: with dropout, on processes, a real verdict)."""
+    with pytest.raises(ValueError, match=r"draws random numbers in forward \(\(the model\): Small\).*--processes"):
+        run(model=dict(noisy=True))
 
 
 def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):

@@ -196,6 +196,7 @@ DEFAULTS = dict(
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
+    trace=None,
 )
 PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -226,8 +227,10 @@ def parse_args(argv=None):
         action=argparse.BooleanOptionalAction)
     opt("--preset", str, "", choices=list(PRESETS))
     opt("--config", str, "a DeepSpeed JSON config")
+    opt("--trace", str, "write each rank's Chrome trace of the first steps here (ui.perfetto.dev); 4 steps "
+        "unless --steps is given")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
-    cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {})}
+    cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {}), **({"steps": 4} if given.get("trace") else {})}
     if given.get("config"):
         cfg.update(parse_ds_config(read_json(given["config"])))
     return {**cfg, **given}
@@ -350,7 +353,8 @@ def train(comm, cfg):
     engine = minizero.Engine(model, comm, c.stage, lr=c.lr, betas=tuple(c.betas), eps=c.eps,
                              weight_decay=c.weight_decay, decay=lambda name, p: p.dim() >= 2,
                              dtype=dtype, grad_accum=c.grad_accum, clip=c.clip or None, offload=c.offload,
-                             offload_dir=c.offload_dir, pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N))
+                             offload_dir=c.offload_dir, pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N),
+                             trace=c.trace)
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
@@ -434,6 +438,8 @@ def train(comm, cfg):
                          generator=torch.Generator(device).manual_seed(c.seed))
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     log("-" * 40 + "\n" + sample + "\n" + "-" * 40)
+    if c.trace:
+        log(f"trace of the first steps: {c.trace}/rank{{0..{N - 1}}}.json (open in ui.perfetto.dev)")
     engine.close()  # (disk offload: its files go now)
     return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
                 n_params=n_params, skipped=skipped, sample=sample)

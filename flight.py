@@ -1,0 +1,363 @@
+"""
+The flight record: each rank's last collectives, and what they say when ranks disagree.
+
+Every collective of ops.py (reduce_scatter, all_gather, all_reduce, broadcast) is one
+record on its communicator's Flight: a sequence number, the kind the ledger books it
+under, dtype and size, the phase and unit the engine was in (forward gather, backward
+regather, gradient reduction, parameter share, ...), step, micro-batch, start and end.
+A record is a short list and a clock read: cheap enough to be always on (bench.py
+measures it). torch's NCCL flight recorder is the model; minizero's ranks compare theirs
+while the collective runs, not after the fact:
+
+  mismatch  every message carries the sender's record tag (sequence number, kind, phase,
+            unit, size); a receiver whose own tag differs stops before the payload moves
+  stall     a rank that waits longer than the communicator's timeout stops
+
+Either way the rank collects every rank's snapshot (its records and the line of user code
+it is at: shared memory for thread ranks, the process group's store for processes) and
+raises one error that names each rank's collective and call site, the first sequence
+number where they differ, and the likely cause. Engine(trace=DIR) writes the same
+records, with each unit's forward and backward, as a Chrome trace per rank.
+"""
+import json
+import linecache
+import os
+import pickle
+import sys
+import threading
+import time
+import zlib
+from collections import deque
+
+import torch
+
+SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)  # a record's fields
+KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint", "checkpoint": "checkpoint",
+              "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()", "state_dict": "state dict"}
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
+              torch.int32: 6, torch.uint8: 7, torch.bool: 8}
+_CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
+OURS = {f"{m}.py" for m in ("ops", "flight", "engine", "minizero", "offload", "checkpoint")}
+
+
+def code(kind):
+    """A kind's or phase's number in message headers."""
+    c = _CODES.get(kind)
+    if c is None:
+        c = _CODES[kind] = zlib.crc32(kind.encode()) & 0x7FFFFFFF
+    return c
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank whose peer failed or went silent: the world cannot go on."""
+
+
+class CollectiveMismatch(ValueError):
+    """The ranks are in different collectives: they would sum garbage or hang."""
+
+    def __init__(self, message, culprit):
+        super().__init__(message)
+        self.culprit = culprit  # the rank whose collectives went their own way
+
+
+class CollectiveStall(PeerFailed):
+    """A rank waited past the timeout: some rank never arrived."""
+
+    def __init__(self, message, culprit):
+        super().__init__(message)
+        self.culprit = culprit  # the rank that never arrived
+
+
+class Flight:
+    """One communicator's record: its last `size` collectives, the one now running, and
+    the context (phase, unit, step, micro-batch, grad mode) the engine sets before each."""
+
+    def __init__(self, rank, size=64):
+        self.rank = rank
+        self.records = deque(maxlen=size)  # the last collectives, oldest first
+        self.seq = 0                       # collectives started so far
+        self.current = None                # the innermost record still running
+        self.tag = (0, 0, 0, -1, 1, 0)     # what messages carry: the current record's identity
+        self.ctx = ("", -1, 0, 0, True)    # (phase, unit, step, micro, grad) set by the engine
+        self.failed = None                 # once the world is broken: the error every collective raises
+        self.owner = threading.get_ident()  # the thread that runs the rank's code: its line is the call site
+        self.site = None                   # that line, kept once this rank has failed (its thread may end)
+        self.spans = None                  # tracing: every record and compute span, not just the last
+        self.idle = None                   # time the previous collective ended (a stalled rank's last sign)
+        self.tracer = None                 # Engine(trace=DIR)'s Tracer: told when a step is done
+
+    def start(self, op, kind, t):
+        if self.failed is not None:  # the world is broken: no new message may be posted
+            raise self.failed
+        phase, unit, step, micro, grad = self.ctx
+        if kind in KIND_PHASE:  # a collective of its own, not the engine's current phase
+            phase, unit, grad = KIND_PHASE[kind], -1, True
+        rec = [self.seq, op, kind, t.dtype, t.numel(), phase, unit, step, micro, grad, time.perf_counter(), None,
+               self.current]  # (OUTER: the record this one runs inside, as all_reduce's halves do)
+        self.seq += 1
+        self.records.append(rec)
+        if self.spans is not None:
+            self.spans.append(rec)
+        self.current = rec
+        self.tag = (rec[SEQ], code(kind), code(phase), unit, int(grad), rec[NUMEL])
+        return rec
+
+    def within(self, ctx, job):
+        """job, to run later (on the engine's communication thread) in context ctx."""
+        def run():
+            self.ctx = ctx
+            return job()
+        return run
+
+    def stepped(self, t):
+        """The engine's step t is done: back to no phase; a tracer writes its file."""
+        self.ctx = ("", -1, t, 0, True)
+        if self.tracer is not None:
+            self.tracer.step(t)
+
+    def end(self, rec):
+        rec[T1] = self.idle = time.perf_counter()
+        self.current, rec[OUTER] = rec[OUTER], None  # (no chain of finished records)
+        if self.current is not None:
+            c = self.current
+            self.tag = (c[SEQ], code(c[KIND]), code(c[PHASE]), c[UNIT], int(c[GRAD]), c[NUMEL])
+
+    def snapshot(self):
+        """Plain data for the other ranks: the records, the current one, and the call site."""
+        recs = [tuple(r[:T1 + 1]) for r in list(self.records)]
+        return dict(rank=self.rank, records=[(*r[:DTYPE], str(r[DTYPE]).replace("torch.", ""), *r[NUMEL:])
+                                             for r in recs],
+                    current=None if self.current is None else self.current[SEQ],
+                    site=self.site or call_site(self.owner),
+                    now=time.perf_counter(), idle=self.idle)
+
+
+def call_site(ident):
+    """The innermost line of the thread's stack outside minizero, torch and the standard
+    library's threading: the user's line that led to the collective."""
+    frame = sys._current_frames().get(ident)
+    site = None
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if os.path.basename(f) not in OURS and f"{os.sep}torch{os.sep}" not in f and \
+                f"{os.sep}concurrent{os.sep}" not in f and not f.endswith(("threading.py", "queue.py")):
+            line = linecache.getline(f, frame.f_lineno).strip()
+            return f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
+        site = site or f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return site or "(its code has returned)"
+
+
+# -----------------------------------------------------------------------------
+# the diagnosis: pure functions of every rank's snapshot
+
+def describe(r):
+    """'#12 all_gather 2,923 float32, unit 1, forward gather (no grad), step 1 micro 0'."""
+    seq, op, kind, dtype, numel, phase, unit, step, micro, grad = r[:T0]
+    what = op if kind == op else f"{op} ({kind})"
+    where = ", ".join(x for x in (f"unit {unit}" if unit >= 0 else "",
+                                   phase + ("" if grad else " (no grad)") if phase else "") if x)
+    return f"#{seq} {what} of {numel:,} {dtype}" + (f", {where}" if where else "") + f", step {step} micro {micro}"
+
+
+def _identity(r):
+    return None if r is None else (r[OP], r[KIND], r[DTYPE], r[NUMEL], r[PHASE], r[UNIT], r[GRAD])
+
+
+def diagnose(snaps, world_size, reason, me, timeout=None):
+    """The error to raise, from every rank's snapshot (a rank with none sent nothing): a
+    CollectiveMismatch if their records part somewhere, else a CollectiveStall. Rank `me`
+    found the problem, for `reason` (after waiting `timeout` seconds, if it timed out)."""
+    by_seq = {s["rank"]: {r[SEQ]: r for r in s["records"]} for s in snaps.values()}
+    reached = {k: max(recs, default=-1) for k, recs in by_seq.items()}
+    seqs = sorted({q for recs in by_seq.values() for q in recs})
+    first = next((q for q in seqs if len({_identity(recs[q]) for recs in by_seq.values() if q in recs}) > 1), None)
+    if first is not None:  # mismatch: the odd one out at the first differing collective (of the ranks there)
+        groups = {}
+        for k in sorted(k for k in by_seq if first in by_seq[k]):
+            groups.setdefault(_identity(by_seq[k][first]), []).append(k)
+        odd = min(groups.values(), key=lambda g: (len(g), not any(by_seq[k][first][GRAD] == 0 for k in g), g))
+        culprit = odd[0]
+        head = f"mismatched collectives: the ranks part at collective #{first}; rank {culprit} went its own way"
+        cause = _mismatch_cause(by_seq, first, odd)
+    else:  # every collective agrees: someone is behind (never arrived) or gone
+        missing = [k for k in range(world_size) if k not in snaps]
+        ahead = max(reached.values(), default=-1)
+        behind = [k for k in sorted(reached) if reached[k] < ahead]
+        culprit = (missing or behind or [None])[0]
+        waited = f" (waited {timeout:g}s)" if timeout else ""
+        if culprit in missing:
+            head = f"rank {culprit} sent no record: it died or hangs outside Python{waited}"
+        elif culprit is not None:
+            head = f"rank {culprit} never arrived at collective #{reached[culprit] + 1}{waited}"
+        else:  # (messages outside any collective)
+            head, culprit = "", me
+        cause = ("likely cause: a rank that never arrived: it is stuck or slow outside minizero (a data loader, "
+                 "I/O, a breakpoint, a print to a full pipe) or skipped a collective the others ran (one step or "
+                 "micro-batch fewer); every rank must run the same steps, micro-batches and forwards")
+    lines = [f"{head} ({reason})" if head else reason]
+    lines += [_where(k, snaps.get(k), by_seq.get(k), first) for k in range(world_size)] + [cause]
+    return (CollectiveStall if first is None else CollectiveMismatch)("\n".join(lines), culprit)
+
+
+def _where(k, snap, recs, first):
+    """Rank k's line: its collective (the first differing one, else its current one) and call site."""
+    if snap is None:
+        return f"  rank {k}: no record (gone)"
+    at = recs.get(first) or recs.get(snap["current"])
+    if at is not None:
+        state = f"in {describe(at)}"
+    elif recs:
+        gap = f"{snap['now'] - snap['idle']:.1f}s ago" if snap["idle"] else "never"
+        state = f"in no collective; its last was {describe(recs[max(recs)])}, ended {gap}"
+    else:
+        state = "in no collective yet"
+    return f"  rank {k}: {state}\n          at {snap['site']}"
+
+
+def _mismatch_cause(by_seq, first, odd):
+    mine = by_seq[odd[0]][first]
+    other = next(by_seq[k][first] for k in by_seq if k not in odd and first in by_seq[k])
+    ranks = "rank " + ", ".join(map(str, odd)) if len(odd) < 3 else f"ranks {odd}"
+    if mine[PHASE] == "forward gather" and (not mine[GRAD] and other[GRAD] or other[PHASE] != "forward gather"):
+        return (f"likely cause: {ranks} ran a forward the others did not (at stage 3 every forward all-gathers "
+                f"each unit, so every rank must run it): evaluation on one rank (`if rank == 0: model(x)`) or a "
+                f"forward whose backward never came; run it on every rank (each on its own batch), or evaluate a "
+                f"copy made from engine.full_state_dict()")
+    if mine[PHASE] != other[PHASE] or mine[UNIT] != other[UNIT]:
+        return (f"likely cause: the ranks' code took different paths ({ranks}: {mine[PHASE] or mine[KIND]} of unit "
+                f"{mine[UNIT]}, the others: {other[PHASE] or other[KIND]} of unit {other[UNIT]}): a branch, a skipped "
+                f"step or micro-batch, or a module only some ranks run (an MoE expert: at stage 3 it must share a "
+                f"unit with modules every rank runs, units=[...], or use stage 0-2)")
+    return ("likely cause: the ranks called different collectives or sizes: every rank must call the same "
+            "collectives, on the same sizes, in the same order")
+
+
+# -----------------------------------------------------------------------------
+# processes: the snapshots travel through the process group's store
+
+FAILED = "minizero/failed"
+
+
+def exchange_snapshots(store, flight, world_size, incident, wait=1.5):
+    """Publish this rank's snapshot under `incident` and collect the others' (those that do
+    not answer within `wait` seconds are left out: the diagnosis calls them gone)."""
+    store.set(f"minizero/{incident}/{flight.rank}", pickle.dumps(flight.snapshot()))
+    keys = {k: f"minizero/{incident}/{k}" for k in range(world_size)}
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not store.check(list(keys.values())):
+        time.sleep(0.05)
+    return {k: pickle.loads(store.get(key)) for k, key in keys.items() if store.check([key])}
+
+
+def watch(store, flight, world_size, every=0.25):
+    """A daemon thread per process rank: once any rank declares the world broken (FAILED),
+    this rank publishes its snapshot even if its own code is busy elsewhere (a stalled rank
+    answers too) and latches the failure, so its next collective raises instead of posting
+    a message that might meet a stale one (gloo would abort the process)."""
+    def loop():
+        while flight.failed is None:
+            time.sleep(every)
+            try:
+                if store.check([FAILED]):
+                    reason = store.get(FAILED).decode()
+                    flight.failed = PeerFailed(f"rank {flight.rank}: the world broke: {reason}")
+                    flight.failed = diagnose(exchange_snapshots(store, flight, world_size, "fail"), world_size,
+                                             reason, flight.rank)
+            except Exception:  # the store went with the world: nothing left to answer
+                return
+    threading.Thread(target=loop, daemon=True, name=f"minizero-flight{flight.rank}").start()
+
+
+# -----------------------------------------------------------------------------
+# the trace: Engine(trace=DIR) writes one Chrome trace (chrome://tracing, ui.perfetto.dev) per rank
+
+class Tracer:
+    """Times each unit's forward and backward (hooks of its own) beside the collectives the
+    flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps."""
+
+    def __init__(self, path, comm, units, steps=3):
+        self.path = path            # the directory of the trace files
+        self.flight = comm.flight   # the communicator's record: its spans are the collectives
+        self.world_size = comm.world_size  # an all-gather's whole buffer is N times its input
+        self.t = 0                  # steps done: the step a span belongs to
+        self.steps = steps          # steps traced; later ones cost nothing
+        self.compute = []           # (name, start, end, step) of unit forwards and backwards
+        self.open = {}              # span name -> start, for spans still running
+        self.spent = []             # the collectives of the traced steps, once tracing stops
+        self.flight.spans, self.flight.tracer = [], self
+        os.makedirs(path, exist_ok=True)
+        for u in units:
+            u.module.register_forward_pre_hook(self._begin(u))
+            u.module.register_forward_hook(self._end(u))
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(self._grad(u))
+
+    def _begin(self, u):
+        def hook(module, args):
+            if self.flight.spans is not None:
+                self.open[f"forward unit {u.index}"] = time.perf_counter()
+        return hook
+
+    def _end(self, u):
+        def hook(module, args, out):
+            t0 = self.open.pop(f"forward unit {u.index}", None)
+            if t0 is None:
+                return
+            self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
+                                 t0, time.perf_counter(), self.t))
+            from minizero import tensors  # (minizero imports ops, which imports this file)
+            for t in tensors(out):  # backward of this unit starts when its outputs' gradient arrives
+                if t.requires_grad:
+                    t.register_hook(self._backward_starts(u))
+        return hook
+
+    def _backward_starts(self, u):
+        def hook(grad):
+            self.open.setdefault(f"backward unit {u.index}", time.perf_counter())
+        return hook
+
+    def _grad(self, u):
+        def hook(p):
+            if f"backward unit {u.index}" in self.open:
+                self.open[f"last grad {u.index}"] = time.perf_counter()
+        return hook
+
+    def step(self, t):
+        """After the engine's step t: close the backward spans, write the file, maybe stop."""
+        if self.flight.spans is None:
+            return
+        for name in [k for k in self.open if k.startswith("backward")]:
+            i = name.split()[-1]
+            end = self.open.pop(f"last grad {i}", time.perf_counter())
+            self.compute.append((name, self.open.pop(name), end, t - 1))
+        self.t = t
+        self.write()
+        if t >= self.steps:
+            self.flight.spans = None
+
+    def events(self):
+        """Chrome trace events: compute on track 0, collectives on track 1 (µs)."""
+        r = self.flight.rank
+        out = [dict(ph="M", name="process_name", pid=r, args=dict(name=f"rank {r}")),
+               dict(ph="M", name="thread_name", pid=r, tid=0, args=dict(name="compute")),
+               dict(ph="M", name="thread_name", pid=r, tid=1, args=dict(name="collectives"))]
+        for name, t0, t1, step in self.compute:
+            out.append(dict(ph="X", name=name, cat="compute", pid=r, tid=0, ts=t0 * 1e6, dur=(t1 - t0) * 1e6,
+                            args=dict(step=step)))
+        for rec in self.flight.spans or self.spent:
+            if rec[T1] is None:
+                continue
+            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)  # whole
+            name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
+            out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
+                            dur=(rec[T1] - rec[T0]) * 1e6,
+                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,
+                                      dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP], micro=rec[MICRO])))
+        return out
+
+    def write(self):
+        self.spent = self.flight.spans
+        with open(os.path.join(self.path, f"rank{self.flight.rank}.json"), "w") as f:
+            json.dump(dict(traceEvents=self.events(), displayTimeUnit="ms"), f)
+
