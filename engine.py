@@ -405,8 +405,7 @@ class Engine:
         Returns None if all is finite, else the ranks whose own gradient was not. The
         flags are read once: the step's one host read of a device value (a GPU's queue drains)."""
         sums = torch.stack([u.reduced.sum(dtype=torch.float32) for u in self.units]).isfinite().all()
-        own = self.finite if self.comm.world_size > 1 else sums
-        bad = torch.stack([~own, ~sums]).double()  # computed where they are
+        bad = torch.stack([~(self.finite if self.comm.world_size > 1 else sums), ~sums]).double()  # on device
         mine = [float(self.trace)] + [float(x) for u in self.units for x in u.used]
         mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=self.device)])
         flags, self.trace = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist(), 0
