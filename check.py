@@ -15,9 +15,14 @@ and micro-batch by micro-batch:
   grads    every stage's reduced gradient shard equals stage 0's, to the bit, on every rank
   params   every stage's parameters and buffers equal stage 0's after every step, to the bit:
            the fp32 state, and the 16-bit params forward reads (stage 3: its shard)
-  ranks    every rank holds what rank 0 holds
-  memory   Engine.memory() and .offloaded() equal the formulas (and no stage keeps more
-           than it says); stage 0, the reference, runs without offload
+  optimizer every stage's AdamW m, v and per-parameter step counts equal stage 0's
+  ranks    every rank starts from rank 0's values (ranks 1.. are built from others, as a user
+           who seeds each rank differently would: the engine's broadcast must fix that, as
+           DDP's does), holds what rank 0 holds after every step, and every forward reads
+           rank 0's buffers
+  memory   Engine.memory() and .offloaded() equal the formulas fed the padded size computed
+           here from the model's own parameters (and no stage keeps more than it says);
+           stage 0, the reference, runs without offload
   bytes    the bytes each rank sends equal the formula
   referee  stage 0 against torch itself: torch's gradient at the engine's parameters
            (every rank's micro-batches, loss averaged over ranks), within a tolerance of
@@ -25,7 +30,10 @@ and micro-batch by micro-batch:
            in backward scales with what flows through it); and torch.optim.AdamW driven
            by the engine's own gradient. Split this way neither half amplifies rounding
            (Adam turns noise in a near-zero gradient into a whole step), so a float
-           tolerance means something; it is reported and can be set.
+           tolerance means something; it is reported and can be set. A NaN or inf that
+           stage 0 and torch do not share is a finding; a step skipped for non-finite
+           gradients must leave stage 0 as it was; the report says how many steps the
+           referee saw.
 
 Any difference between stages is a finding: the stages are equal by construction
 (DESIGN.md). report.first names where they first part: step, micro-batch, world size,
@@ -37,13 +45,16 @@ import pickle
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Optional
 
 import torch
 
 import ops
+import referee as torch_referee
 from engine import Engine
-from minizero import cast_floats, map_tensors
+from minizero import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
+                      offloaded_bytes)
 
 KEPT = ("reduce_scatter", "all_gather", "all_reduce")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
@@ -53,7 +64,8 @@ UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engin
 @dataclass
 class Divergence:
     """Where two runs first part."""
-    what: str            # grads | params | ranks | memory | bytes | referee-grads | referee-update | error
+    what: str            # grads | params | optimizer | initial | ranks | memory | bytes | referee-grads |
+                         # referee-update | referee-skip | error
     world_size: int
     stage: int
     step: int
@@ -69,8 +81,9 @@ class Divergence:
     def __str__(self):
         if self.what == "error":
             return f"world size {self.world_size}, stage {self.stage}: {self.name}"
-        against = {"grads": "stage 0", "params": "stage 0", "ranks": "rank 0", "memory": "the formula",
-                   "bytes": "the formula"}.get(self.what, "torch")
+        against = {"grads": "stage 0", "params": "stage 0", "optimizer": "stage 0", "ranks": "rank 0",
+                   "initial": "rank 0's model", "memory": "the formula", "bytes": "the formula",
+                   "referee-skip": "the step before"}.get(self.what, "torch")
         where = f"step {self.step}" + (f", micro-batch {self.micro}" if self.micro is not None else "")
         return (f"{self.what} differ at {where}, world size {self.world_size}, stage {self.stage}, "
                 f"rank {self.rank}: {self.name}[{self.index}] is {self.ours!r} here, {self.theirs!r} in "
@@ -83,6 +96,8 @@ class Row:
     stage: int
     max_diff: float = 0.0           # largest |difference| from stage 0, grads and params (0: the same bits)
     referee: Optional[tuple] = None  # stage 0: (gradient diff / sum of |parts|, update diff / (|p| + lr))
+    refereed: int = 0               # stage 0: steps the referee held to torch (those that ran)
+    skipped: int = 0                # stage 0: steps skipped for non-finite gradients (checked unchanged)
     memory_ok: bool = True
     bytes_ok: bool = True
     seconds: float = 0.0
@@ -99,6 +114,11 @@ class Report:
         return all(r.first is None for r in self.rows)
 
     @property
+    def refereed(self):
+        """Steps the torch referee checked, over every world size (0: it saw no step run)."""
+        return sum(r.refereed for r in self.rows if r.stage == 0)
+
+    @property
     def first(self):
         found = [r.first for r in self.rows if r.first is not None]  # stage against stage first: the sharper finding
         return min(found, key=lambda d: (d.what.startswith("referee"), d.step, d.micro or 0, d.world_size, d.stage,
@@ -110,12 +130,18 @@ class Report:
                  f"{'memory':>7} {'bytes':>7} {'seconds':>8}"]
         for r in self.rows:
             ref = f"{r.referee[0]:>12.2e} {r.referee[1]:>9.2e}" if r.referee else f"{'':>12} {'':>9}"
-            same = "same bits" if r.max_diff == 0 and (r.first is None or r.first.what not in ("grads", "params"))\
+            same = "same bits" if r.max_diff == 0 and (r.first is None or
+                                                       r.first.what not in ("grads", "params", "optimizer"))\
                 else f"{r.max_diff:.2e}"
             lines.append(f"{r.world_size:>5} {r.stage:>5}  {same:>11}  {ref}  {mark(r.memory_ok):>7} "
                          f"{mark(r.bytes_ok):>7} {r.seconds:>8.2f}")
         lines.append(f"referee tolerance: gradient {self.tol[0]:.0e} of the largest sum of |contributions|, update "
                      f"{self.tol[1]:.0e} of |param| + lr")
+        ref = [r for r in self.rows if r.stage == 0 and r.referee is not None]
+        if ref:
+            lines.append("referee saw " + ", ".join(
+                f"{r.refereed} of {r.refereed + r.skipped} steps at world size {r.world_size}"
+                + (f" ({r.skipped} skipped: non-finite gradients)" if r.skipped else "") for r in ref))
         lines.append("all stages agree" if self.ok else f"first divergence: {self.first}")
         return "\n".join(lines)
 
@@ -184,6 +210,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
     restore = _deterministic(device)
     buffers = {nm for nm, _ in model.named_buffers()}
+    initial = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in spec["state"].items()}
     try:
         for n in world_sizes:
             runs = {}
@@ -202,9 +229,9 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                     report.rows.append(row)
                     continue
                 row.seconds = time.perf_counter() - t0
-                _compare(row, runs[s], runs.get(0) if s else None, n, s, buffers)
+                _compare(row, runs[s], runs.get(0) if s else None, n, s, buffers, initial)
                 if s == 0 and referee:
-                    _referee(row, model, runs[0], spec, n, report.tol, device)
+                    torch_referee.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
     finally:
         torch.set_num_threads(threads)
@@ -274,22 +301,27 @@ def _rank(comm, stage, spec):
         _deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
+    _perturb(model, comm.rank)
     kw = dict(spec["engine_kw"])
     if stage == 0:  # DDP keeps its whole state in memory: the reference every offload is held to
         kw = {k: v for k, v in kw.items() if k not in ("offload", "offload_dir", "offload_params")}
     if callable(kw.get("units")):
         kw["units"] = kw["units"](model)
+    formula = _formulas(model, comm.world_size, stage, kw)  # from the model's own sizes, before the engine
     engine = Engine(model, comm, stage, **kw)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
+    seen = []  # the buffers each forward read (after the engine's broadcast: this hook runs after its)
+    if kw.get("broadcast_buffers", True):
+        model.register_forward_pre_hook(lambda m, args: seen.append(
+            {n: b.detach().clone() for n, b in m.named_buffers()}) if torch.is_grad_enabled() else None)
     # (a unit's layout, and where this rank's chunk starts in it)
     layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
               for u in engine.units]
-    out = dict(layout=layout, shard_size=engine.shards.world_size, formula=_memory(engine.formula(), engine.formula(offloaded=True)),
-               bytes=engine.formula(sent=True), grad_accum=engine.grad_accum,
-               initial=engine.full_state_dict() if stage == 0 else None, hist=[])  # (the referee's start)
+    out = dict(layout=layout, shard_size=engine.shards.world_size, grad_accum=engine.grad_accum,
+               initial=engine.full_state_dict(), hist=[], **formula)
     for step in range(spec["steps"]):
-        before, grads, kept = dict(comm.sent), [], []
+        before, grads, kept, read = dict(comm.sent), [], [], []
         for micro in range(engine.grad_accum):
             batch = _to(spec["make_batch"](step, comm.rank, micro), comm.device)
             if spec.get("seeded"):  # (a spec made elsewhere may not say)
@@ -297,6 +329,8 @@ def _rank(comm, stage, spec):
             engine.backward(spec["loss_fn"](model, batch))
             grads.append([u.reduced.clone() for u in engine.units])
             kept.append(_kept_too_much(engine))
+            read.append(seen[:])
+            seen.clear()
         memory = _memory(engine.memory(), engine.offloaded())  # measured with the reduced shards alive
         scale, steps_before = engine.scale, [list(u.steps) for u in engine.units]
         stepped = engine.step()
@@ -304,12 +338,36 @@ def _rank(comm, stage, spec):
         kept.append(_kept_too_much(engine))
         used = [[b > a for a, b in zip(x, u.steps)] for x, u in zip(steps_before, engine.units)]
         live = [(u.flat if u.shard is None else u.shard).clone() for u in engine.units]  # the 16-bit params
+        moments = [{k: t.clone() for k, t in engine.optimizer_state(u).items() if k != "master"} for u in engine.units]
         out["hist"].append(dict(grads=grads, live=live, scale=scale, stepped=stepped, sent=sent, used=used,
-                                kept=next((k for k in kept if k), None),
-                                memory=memory,
+                                kept=next((k for k in kept if k), None), read=read, moments=moments,
+                                steps=[list(u.steps) for u in engine.units], memory=memory,
                                 state=engine.full_state_dict()))
     engine.close()
     return out
+
+
+def _perturb(model, rank):
+    """Ranks 1.. start from other values than rank 0 (a user who seeds each rank
+    differently does this): every parameter and buffer plus the rank. DDP broadcasts
+    rank 0's at construction, so the engine must, before anything reads them."""
+    with torch.no_grad():
+        for t in chain(model.parameters(), model.buffers()):
+            if rank and not t.is_meta and t.dtype != torch.bool and not t.is_complex():
+                t.add_(rank)
+
+
+def _formulas(model, n, stage, kw):
+    """What memory, offload and bytes must be, computed from the model's own parameter
+    sizes and the units (each unit's Ψ padded to a multiple of N here, not by the engine)."""
+    units = default_units(model) if kw.get("units") is None else kw["units"]
+    numel = sum(-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units)[0])
+    dtype, offload, params = kw.get("dtype", torch.float32), kw.get("offload"), kw.get("offload_params", False)
+    S = kw.get("shard_size") or n  # (hybrid sharding: a unit is cut S ways, and R = N/S replicas)
+    layout = numel, S, stage, dtype
+    return dict(formula=_memory(model_state_bytes(*layout, offload, params, kw.get("reduce_dtype")),
+                                offloaded_bytes(*layout, offload, params)),
+                bytes=comm_bytes_per_step(*layout, kw.get("grad_accum", 1), kw.get("reduce_dtype"), n // S))
 
 
 def _memory(resident, offloaded):
@@ -348,9 +406,15 @@ def _jitter(engine, rng):
 # the comparisons
 
 
-def _compare(row, ranks, base, n, stage, buffers):
-    """Fill row: this stage against stage 0 (base), every rank's parameters against rank
-    0's (buffers follow rank 0's at the next forward, as in DDP), and the formulas."""
+def _compare(row, ranks, base, n, stage, buffers, initial):
+    """Fill row: this stage against stage 0 (base); every rank's starting values against
+    rank 0's model (initial), its parameters after a step against rank 0's, and the buffers
+    every forward read against rank 0's (after a step they differ: each rank's forward
+    updates its own, and rank 0's win at the next forward, as in DDP); and the formulas."""
+    for r, run in enumerate(ranks):
+        for name, value in initial.items():
+            found = _diff(None, "initial", run["initial"][name].cpu(), value, name, r, 0, None, n, stage)
+            row.first = row.first or found
     for step, h0 in enumerate(ranks[0]["hist"]):
         for r, run in enumerate(ranks):
             h, ref = run["hist"][step], base[r]["hist"][step] if base else None
@@ -363,17 +427,23 @@ def _compare(row, ranks, base, n, stage, buffers):
                     found.append(_diff(row, "params", h["state"][name], ref["state"][name], name, r, step, None,
                                        n, stage))
                 for ui, (a, b) in enumerate(zip(h["live"], ref["live"])):  # the params forward reads
-                    names, offsets, sizes, s = run["layout"][ui]
-                    if a.numel() < b.numel():  # stage 3's shard: against its chunk of stage 0's
-                        b = b[s:s + a.numel()]
-                    else:                      # whole buffers: element i is element i
-                        s = 0
-                    found.append(_diff(row, "params", a, b, (names, offsets, sizes, s), r, step, None, n, stage))
+                    found.append(_diff(row, "params", a, *_chunk(b, a, run["layout"][ui], n, r), r, step, None, n,
+                                       stage))
+                for ui, (mine, theirs) in enumerate(zip(h["moments"], ref["moments"])):  # AdamW's m and v
+                    for k in mine:
+                        found.append(_diff(row, "optimizer", mine[k], *_chunk(theirs[k], mine[k], run["layout"][ui],
+                                                                              n, r, k), r, step, None, n, stage))
+                found.append(_steps(h, ref, run["layout"], "optimizer", r, step, n, stage))
             for name in h["state"].keys() - buffers:
                 found.append(_diff(None, "ranks", h["state"][name], h0["state"][name], name, r, step, None, n, stage))
+            found.append(_steps(h, h0, run["layout"], "ranks", r, step, n, stage))
+            for m, (mine, theirs) in enumerate(zip(h["read"], h0["read"])):  # buffers as each forward read them
+                for seen, seen0 in zip(mine, theirs):
+                    found += [_diff(None, "ranks", seen[k], seen0[k], f"{k} (as forward read it)", r, step, m, n,
+                                    stage) for k in seen]
             if h["memory"] != run["formula"] or h["kept"]:
                 row.memory_ok = False
-                key = next((k for k in h["memory"] if h["memory"][k] != run["formula"][k]), h["kept"])
+                key = next((k for k in h["memory"] if h["memory"][k] != run["formula"].get(k)), h["kept"])
                 found.append(Divergence("memory", n, stage, step, None, r, key, 0, h["memory"].get(key, 0),
                                         run["formula"].get(key, 0)))
             expect = _bytes(run, stage, h["stepped"])
@@ -383,6 +453,24 @@ def _compare(row, ranks, base, n, stage, buffers):
                 found.append(Divergence("bytes", n, stage, step, None, r, key, 0, h["sent"][key], expect[key]))
             if row.first is None:
                 row.first = next((d for d in found if d is not None), None)
+
+
+def _chunk(theirs, mine, layout, n, r, what=None):
+    """Stage 0's whole buffer, cut as this stage keeps it (a shard: its chunk), and where to
+    name an element of it: (tensor, (names, offsets, sizes, where the chunk starts, what))."""
+    names, offsets, sizes, s = layout
+    if mine.numel() < theirs.numel():  # a shard: against its chunk of stage 0's
+        return theirs[s:s + mine.numel()], (names, offsets, sizes, s, what)
+    return theirs, (names, offsets, sizes, 0, what)  # whole buffers: element i is element i
+
+
+def _steps(h, ref, layout, what, r, step, n, stage):
+    """AdamW's per-parameter step counts, against stage 0's or rank 0's."""
+    for (names, *_), mine, theirs in zip(layout, h["steps"], ref["steps"]):
+        for name, a, b in zip(names, mine, theirs):
+            if a != b:
+                return Divergence(what, n, stage, step, None, r, f"{name} (AdamW step count)", 0, a, b, abs(a - b))
+    return None
 
 
 def _bytes(run, stage, stepped):
@@ -406,10 +494,11 @@ def _diff(row, what, a, b, where, rank, step, micro, n, stage):
         row.max_diff = max(row.max_diff, float(gap.max()))
     name, index = where, i
     if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
-        names, offsets, sizes, s = where
+        names, offsets, sizes, s, *what_of = where
         g = s + i
         name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
                            ("padding", g))
+        name += f" ({what_of[0]})" if what_of and what_of[0] else ""
     return Divergence(what, n, stage, step, micro, rank, name, index, float(x[i]), float(y[i]),
                       float(gap.max()), _ulps(a, b))
 
@@ -423,93 +512,3 @@ def _ulps(a, b):
         i = t.contiguous().view(ints).long()
         return torch.where(i < 0, -(i & (2 ** (8 * a.element_size() - 1) - 1)), i)
     return int((ordered(a) - ordered(b)).abs().max())
-
-
-def _referee(row, model, ranks, spec, n, tol, device):
-    """Stage 0 against torch, step by step, on the ranks' device. Gradient: torch's at the
-    engine's parameters before the step, over every rank's micro-batches with the loss
-    averaged as the engine averages it. Update: torch.optim.AdamW given the engine's own
-    mean gradient."""
-    kw, run = spec["engine_kw"], ranks[0]
-    dtype = kw.get("dtype", torch.float32)  # torch's gradient in the engine's compute dtype
-    grad_model, upd_model = copy.deepcopy(model).to(device, dtype), copy.deepcopy(model).to(device).float()
-    grad_model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
-    upd_model.load_state_dict(run["initial"])
-    names = [nm for names, *_ in run["layout"] for nm in names]
-    decay = kw.get("decay")
-    params = [upd_model.get_parameter(nm) for nm in names]
-    groups = [{"params": [p for nm, p in zip(names, params) if decay is None or decay(nm, p)]},
-              {"params": [p for nm, p in zip(names, params) if not (decay is None or decay(nm, p))],
-               "weight_decay": 0.0}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=kw.get("lr", 1e-3),
-                            betas=kw.get("betas", (0.9, 0.999)), eps=kw.get("eps", 1e-8),
-                            weight_decay=kw.get("weight_decay", 0.0))
-    worst = [0.0, 0.0]
-    state = run["initial"]
-    for step, h in enumerate(run["hist"]):
-        if h["stepped"]:
-            mean = _engine_grad(ranks, step, n)
-            grad_model.load_state_dict(state)
-            total, size = _torch_grad(grad_model, names, spec, step, n, run["grad_accum"], h["scale"], device)
-            scale = max(float(size[nm].max()) for nm in names if size[nm].numel()) + 1e-30
-            for nm, used in zip(names, [x for u in h["used"] for x in u]):
-                rel = float((mean[nm] - total[nm]).abs().max()) / scale if total[nm].numel() else 0.0
-                worst[0] = max(worst[0], rel)
-                if rel > tol[0] and row.first is None:
-                    row.first = _referee_divergence("referee-grads", mean[nm], total[nm], nm, step, n)
-                upd_model.get_parameter(nm).grad = mean[nm].clone() if used else None
-            if kw.get("clip") is not None:
-                torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], kw["clip"])
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            for nm, p in zip(names, params):
-                ours = h["state"][nm]
-                err = float(((ours - p.detach()).abs() / (p.detach().abs() + kw.get("lr", 1e-3))).max())
-                worst[1] = max(worst[1], err)
-                if err > tol[1] and row.first is None:
-                    row.first = _referee_divergence("referee-update", ours, p.detach(), nm, step, n)
-        state = h["state"]
-    row.referee = tuple(worst)
-
-
-def _torch_grad(model, names, spec, step, n, accum, scale, device):
-    """torch's mean gradient, computed as the engine computes it: one backward per rank
-    and micro-batch, each loss times scale/accum in the compute dtype, summed in fp32,
-    then divided by N·scale. Also the sum of |contributions|: the scale of its rounding."""
-    total = {nm: torch.zeros_like(model.get_parameter(nm), dtype=torch.float32) for nm in names}
-    size = {nm: torch.zeros_like(t) for nm, t in total.items()}
-    for r in range(n):
-        for k in range(accum):
-            model.zero_grad(set_to_none=True)
-            batch = _to(spec["make_batch"](step, r, k), device)
-            if spec.get("seeded"):  # (a spec made elsewhere may not say)
-                torch.manual_seed(_seed(step, r, k))
-            (spec["loss_fn"](model, batch).float() * (scale / accum)).backward()
-            for nm in names:
-                g = model.get_parameter(nm).grad
-                if g is not None:
-                    total[nm] += g.float()
-                    size[nm] += g.float().abs()
-    return ({nm: t / (n * scale) for nm, t in total.items()}, {nm: t / (n * scale) for nm, t in size.items()})
-
-
-def _cast_inputs(dtype):  # as the engine casts its model's inputs
-    return lambda module, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype))
-
-
-def _engine_grad(ranks, step, n):
-    """Stage 0's mean gradient of a step, per parameter name: the reduced shards of one
-    shard group (ranks 0..S-1) after the last micro-batch, concatenated, times 1/(N · loss scale)."""
-    out, h, S = {}, ranks[0]["hist"][step], ranks[0]["shard_size"]
-    for ui, (names, offsets, sizes, _) in enumerate(ranks[0]["layout"]):
-        full = torch.cat([ranks[r]["hist"][step]["grads"][-1][ui] for r in range(S)]).float() / (n * h["scale"])
-        for nm, o, k in zip(names, offsets, sizes):
-            out[nm] = full[o:o + k].view(h["state"][nm].shape)
-    return out
-
-
-def _referee_divergence(what, ours, theirs, name, step, n):
-    x, y = ours.double().reshape(-1), theirs.double().reshape(-1)
-    i = int((x - y).abs().argmax())
-    return Divergence(what, n, 0, step, None, 0, name, i, float(x[i]), float(y[i]), float((x - y).abs().max()),
-                      _ulps(ours.float(), theirs.float()))

@@ -1,9 +1,12 @@
 """Hypothesis profiles: 'ci' (set when CI=true) keeps the whole suite to a few minutes
 on 2 cores; 'dev' is the default; 'thorough' draws many more cases; 'quick' is
 gpu_check.sh's, a few cases inside its time limit. MINIZERO_STRICT_P2P=1 runs every thread
-world under NCCL's point-to-point rules (ops.run_threads(strict_p2p=True)), as gpu_check.sh does."""
+world under NCCL's point-to-point rules (ops.run_threads(strict_p2p=True)), as gpu_check.sh does.
+Tests marked `mutations` (the whole mutation list, test_mutations.py) run only when asked
+for: pytest -m mutations."""
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -19,3 +22,11 @@ if os.environ.get("MINIZERO_STRICT_P2P") == "1":
     _run_threads = ops.run_threads
     ops.run_threads = lambda fn, world_size, *args, **kw: _run_threads(fn, world_size, *args,
                                                                        **{**kw, "strict_p2p": True})
+
+
+def pytest_collection_modifyitems(config, items):
+    if "mutations" not in (config.option.markexpr or ""):
+        skip = pytest.mark.skip(reason="the whole mutation list: pytest -m mutations, or python test_mutations.py")
+        for item in items:
+            if "mutations" in item.keywords:
+                item.add_marker(skip)

@@ -92,10 +92,9 @@ class Engine:
                              f"(units=...) or use stage 0-2")
         model.to(dtype)  # 16-bit compute: params, frozen params and buffers in the compute dtype
         device = comm.device if owners else next(model.parameters()).device
-        if device.type == "cpu" and (offload == "cpu" or offload_params):  # say so once, change nothing
-            warnings.warn("minizero: offload to 'cpu' on a CPU run: the state is already in host memory, "
-                          "so nothing moves; offload='disk' is the one that frees RAM here")
-            offload, offload_params = (None if offload == "cpu" else offload), False
+        if device.type == "cpu" and (offload == "cpu" or offload_params):  # the host path runs (tested on CPUs)
+            warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so it frees "
+                          "nothing (the same bits, a little slower); offload='disk' is the one that frees RAM here")
         self.offload, self.offload_params = offload, offload_params  # where the shards live, if not here
         self.disk = DiskState(offload_dir, f"{os.getpid()}-{id(self):x}-rank{comm.rank}") \
             if offload == "disk" else None      # the files of disk offload (offload.py)
@@ -477,24 +476,24 @@ class Engine:
         the ones the next step makes."""
         params = grads = opt = 0
         own = self.dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
+        cpu = self.device.type == "cpu"    # a CPU run: what offload keeps in host memory is on "the device" too
         for u in self.units:
-            params += _nbytes(self.device, u.shard if self.sharded["params"] else u.flat)
+            params += 0 if cpu and self.offload_params else _nbytes(self.device, u.flat if u.shard is None else u.shard)
             if not self.sharded["grads"]:
                 grads += _nbytes(self.device, u.grad)
             else:
                 grads += _nbytes(self.device, u.reduced) if u.reduced is not None else \
                     u.shard_size * self.reduce_dtype.itemsize
-            opt += _nbytes(self.device, u.m, u.v, u.master if own else None)
+            opt += 0 if cpu and self.offload else _nbytes(self.device, u.m, u.v, u.master if own else None)
         return {"params": params, "grads": grads, "optimizer": opt}
 
     def offloaded(self):
         """{where: bytes} of this rank's model state kept off its device: "cpu" (host
         memory) or "disk" (the files hold two slots: twice this)."""
         out = {"disk": self.disk.nbytes()} if self.disk else {}
-        host = sum(_nbytes(torch.device("cpu"), u.master, u.m, u.v, u.shard) for u in self.units)
-        if self.device.type != "cpu" and host:
-            out["cpu"] = host
-        return out
+        host = sum(_nbytes(torch.device("cpu"), *([u.master, u.m, u.v] if self.offload == "cpu" else []),
+                           u.shard if self.offload_params else None) for u in self.units)
+        return {**out, "cpu": host} if host else out
 
     def numel(self):
         """Ψ as laid out: trainable parameters plus padding."""

@@ -148,7 +148,7 @@ class Place(NamedTuple):
     def host(self, t, where):
         if where != "cpu":
             return t
-        t = t.cpu()
+        t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
         return t.pin_memory() if self.pin else t
 
 

@@ -70,6 +70,71 @@ def test_a_correct_engine_passes():
     report = run(world_sizes=(1, 3), grad_accum=2)
     assert report.ok, report.first
     assert all(r.max_diff == 0 for r in report.rows) and "all stages agree" in str(report)
+    assert report.refereed == 4 and "referee saw 2 of 2 steps at world size 1, 2 of 2 steps at world size 3" \
+        in str(report)
+
+
+def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
+    """decay=fn (nanoGPT's rule: matrices decay, biases and vectors do not): torch's AdamW with
+    a weight_decay=0 group referees it, so an engine that decays everything is found."""
+    decay = dict(decay=lambda name, p: p.dim() >= 2, weight_decay=0.5)
+    assert run(world_sizes=(2,), **decay).ok
+    real = engine.Unit
+    monkeypatch.setattr(engine, "Unit", lambda module, named, comm, shards, dtype, sharded, decay, place:
+                        real(module, named, comm, shards, dtype, sharded, None, place))
+    first = run(world_sizes=(2,), stages=(0,), **decay).first
+    assert first.what == "referee-update" and first.name in ("gate", "layers.0.bias", "head.bias", "layers.1.bias")
+
+
+def test_ranks_start_from_rank_0s_values(monkeypatch):
+    """check builds ranks 1.. from other values (every parameter and buffer plus the rank):
+    without the unit's initial broadcast (DDP's), the ranks train apart."""
+    monkeypatch.setattr(minizero, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
+    first = run(world_sizes=(2,), stages=(0, 1)).first
+    assert (first.what, first.stage, first.rank, first.step) == ("initial", 0, 1, 0)
+    assert first.ours == first.theirs + 1  # rank 1's own value: rank 0's plus one
+
+
+def test_a_nan_that_torch_does_not_share(monkeypatch):
+    """AdamW without eps: 0/0 where a gradient is exactly zero (embedding rows no batch
+    looks up). Every stage shares the NaN, torch (with eps) does not: a finding, not
+    'all stages agree'; and the steps skipped after it leave the parameters as they were."""
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay:
+                        real(p, g, m, v, t, lr, b1, b2, 0.0, decay))
+    report = run(world_sizes=(2,), eps=1e-8)
+    first = report.first
+    assert (first.what, first.step, first.name) == ("referee-update", 0, "emb.weight") and first.ours != first.ours
+    assert [r.first is None for r in report.rows] == [False, True, True, True]  # the stages agree, NaN and all
+    assert (report.rows[0].refereed, report.rows[0].skipped) == (1, 1)
+    assert "referee saw 1 of 2 steps at world size 2 (1 skipped: non-finite gradients)" in str(report)
+
+
+def test_a_skipped_step_must_leave_the_parameters(monkeypatch):
+    real = engine.Engine._skip
+
+    def skips_but_decays(self, bad):
+        for u in self.units:
+            u.master.mul_(0.5)
+        return real(self, bad)
+    monkeypatch.setattr(engine.Engine, "_skip", skips_but_decays)
+    first = run(world_sizes=(1,), stages=(0,), dtype=torch.float16, loss_scale=2.0**40).first
+    assert (first.what, first.step) == ("referee-skip", 0)
+
+
+def test_moments_and_step_counts_are_compared_across_stages(monkeypatch):
+    """AdamW's m, v and per-parameter step counts are held to stage 0's after every step: a
+    stage whose count runs ahead is found at that step, before a later bias correction shows."""
+    real = engine.Engine._drop_grads
+
+    def counts_ahead(self):
+        if self.stage == 2:
+            for u in self.units:
+                u.steps = [t + 1 for t in u.steps]
+        return real(self)
+    monkeypatch.setattr(engine.Engine, "_drop_grads", counts_ahead)
+    first = run(world_sizes=(2,)).first
+    assert (first.what, first.step, first.stage, first.name) == ("optimizer", 0, 2, "gate (AdamW step count)")
 
 
 def test_grads_reduced_in_fp32_under_bf16_match_the_formulas():
@@ -135,8 +200,11 @@ def test_ranks_that_drift_apart():
     assert (first.what, first.step, first.stage, first.rank, first.name) == ("ranks", 0, 0, 1, "emb.weight")
 
 
-def test_batchnorm_agrees_with_the_buffer_broadcast():
+def test_batchnorm_agrees_with_the_buffer_broadcast(monkeypatch):
     assert run(model=dict(bn=True)).ok  # rank 0's running stats, broadcast before every forward
+    monkeypatch.setattr(engine.Engine, "_broadcast_buffers", lambda self: None)
+    first = run(model=dict(bn=True)).first  # each rank's forward reads its own: the ranks part
+    assert (first.what, first.step, first.rank, first.name) == ("ranks", 1, 1, "bn.running_mean (as forward read it)")
 
 
 # the bugs the torch referee exists for: each leaves the stages equal (they share the code)

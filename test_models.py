@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
 import ops
+from check import _perturb
 
 torch.set_num_threads(1)
 V, D = 13, 8  # vocabulary and width of every model here
@@ -169,6 +170,26 @@ def test_parameters_skipped_on_some_steps_and_ranks():
     assert expert_steps == [[2, 2], [2, 2], [1, 1]]
 
 
+def test_stage3_prefetches_the_next_unit_of_the_first_pass():
+    """Stage 3 with overlap: from the second pass on, while a block runs, its unit and the
+    next block's (prefetched in the order the first pass used them) are gathered or on their
+    way, and the root's, which the whole forward runs in; the blocks before are released."""
+    def body(comm):
+        model = build()
+        engine = minizero.Engine(model, comm, 3)
+        seen = []
+        for i, block in enumerate(model.blocks):  # (after the engine's own gather hook)
+            block.register_forward_pre_hook(lambda m, args, i=i: seen.append(
+                (i, [u.index for u in engine.units if u.pending is not None])))
+        for step in range(2):
+            engine.backward(model(**batch(step, comm.rank, 0)).loss)
+            engine.step()
+        return seen[3:], [[u.index for u in order] for order in (engine.fwd_order, engine.bwd_order)]
+    for seen, orders in ops.run_threads(body, 2):
+        assert seen == [(0, [0, 1, 2]), (1, [0, 2, 3]), (2, [0, 3])]
+        assert orders == [[0, 1, 2, 3], [0, 3, 2, 1]]  # backward's own order: the root's loss first, then the blocks
+
+
 def test_stage3_units_that_only_some_ranks_run_are_a_clear_error():
     """Each expert its own unit: rank 0 would gather expert 0 while the others gather expert 1 (the
     messages' flight tags differ: caught at that gather, before the step's own check of the units)."""
@@ -190,6 +211,21 @@ def test_a_nan_on_one_rank_skips_the_step_everywhere(stage, dtype):
         assert all(x == 2 for u in t2 for x in u)
     with pytest.raises(RuntimeError, match="2 steps in a row skipped"):
         ops.run_threads(_nan_every_step, 2, stage, dict(kw, skip_limit=2))
+
+
+def test_skips_not_in_a_row_never_reach_the_limit():
+    """skip_limit counts skips in a row: a step that runs resets the count, so a long fp16 run
+    with an overflow now and then never dies of skips in all."""
+    def body(comm):
+        model = build()
+        engine = minizero.Engine(model, comm, 2, skip_limit=2)
+        for step in range(6):
+            loss = model(**batch(step, comm.rank, 0)).loss
+            engine.backward(loss * float("inf") if step % 2 == 0 else loss)
+            engine.step()
+        return engine.skipped, engine.t
+    with pytest.warns(UserWarning, match="skipped on every rank"):
+        assert ops.run_threads(body, 2) == [(3, 3)] * 2
 
 
 def _nan_every_step(comm, stage, kw):
@@ -347,6 +383,7 @@ def _loss(name, model, args, kw):
 
 def _ours_on(comm, name, make):
     model = make()
+    _perturb(model, comm.rank)  # ranks built from other values: rank 0's win, as in DDP
     engine = minizero.Engine(model, comm, 0, lr=0.05, weight_decay=0.1)
     states = []
     for step in range(3):
@@ -359,6 +396,7 @@ def _ours_on(comm, name, make):
 
 def _ddp_on(comm, name, make):
     model = make()
+    _perturb(model, comm.rank)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=name == "experts")
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     states = []

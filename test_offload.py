@@ -73,13 +73,27 @@ def test_bad_offload_options_are_clear_errors(tmp_path):
             ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, stage, **kw), 1)
 
 
-def test_cpu_offload_on_a_cpu_run_says_so_and_changes_nothing():
-    model, _ = make(case("bf16"))
-    with pytest.warns(UserWarning, match="already in host memory"):
-        engine = ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3, offload="cpu",
-                                                              offload_params=True, dtype=torch.bfloat16), 1)[0]
-    assert engine.offload is None and engine.offloaded() == {} and engine.memory() == engine.formula()
-    assert engine.memory()["optimizer"] > 0
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_cpu_offload_runs_its_host_path_on_a_cpu_run(dtype):
+    """On a CPU run offload="cpu" (and stage 3's offload_params) still keep the state in host
+    memory of its own and update it there, as on a GPU: the same bits as stage 0 in every
+    stage, memory() and offloaded() as the formulas, and the master a copy of its own."""
+    c = case(dtype, grad_accum=2, steps=2)
+    model, batches = make(c)
+    kw = dict(c["engine"], loss_scale=64.0)
+    for stages, extra in [((1, 2, 3), {}), ((3,), dict(offload_params=True))]:
+        with pytest.warns(UserWarning, match="frees nothing"):
+            report = minizero.check(lambda: model, lambda s, r, m: batches[s][m][r], world_sizes=(1, 3), stages=stages,
+                                    steps=2, offload="cpu", **extra, **kw)
+        assert report.ok, f"\n{report}"
+        assert report.refereed == 4  # (2 steps at 2 world sizes: none skipped)
+
+    def body(comm):  # (check held memory() and offloaded() to the formulas: optimizer and params 0 here)
+        engine = minizero.Engine(copy.deepcopy(model), comm, 3, offload="cpu", offload_params=True, **kw)
+        return [(u.master.data_ptr(), u.shard.data_ptr(), u.flat.data_ptr()) for u in engine.units]
+    with pytest.warns(UserWarning, match="frees nothing"):
+        for units in ops.run_threads(body, 3):
+            assert all(len(set(ptrs)) == 3 for ptrs in units)  # master, shard and params: three copies
 
 
 def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
