@@ -6,14 +6,18 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
     python bench.py --world-size 4
     python bench.py --quick              # CI: tiny model, one rep, a few rows (< 1 min)
     python bench.py --max-model          # largest GPT per rank budget: DDP, FSDP2, stage 3 (+ disk), 4 ranks
+    python bench.py --overhead           # one rank: minizero against a plain torch loop (GPU if there is one)
     python bench.py --gpu [--quick]      # gpu_check.sh: overhead over a plain torch loop, rows on CUDA
     python bench.py --plot DIR [--quick] # memory.png and timeline.png (needs matplotlib: ".[plot]")
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
 (in an order that rotates), so machine noise hits all alike. A step's time is the slowest
-rank's; the table shows medians over reps. One torch thread per rank (2 cores / 2 ranks;
-at --world-size 4 ranks share cores). Ring headers are off (check=False), as under torchrun.
+rank's; the table shows medians over reps, a ratio the median of the ratios within a rep
+(its rows run one after the other, in the same load). One torch thread per rank (2 cores /
+2 ranks; at --world-size 4 ranks share cores). Ring headers are off (check=False).
+Overhead: one rank, a plain torch loop against minizero's stage-0 engine, alternating reps:
+nothing is sent, so the difference is the engine's own work (a tiny GPT: its fixed cost).
 
 Memory: peak RSS is a lifetime maximum, so each row's comes from a fresh world that builds
 only that variant. "+model" is the peak above the rank's RSS after a tiny warm-up step (so
@@ -57,7 +61,7 @@ class Config:
     n_embd: int = 256
     block: int = 64
     batch: int = 8          # sequences per rank per step
-    reps: int = 7           # interleaved repetitions: the table shows their medians
+    reps: int = 15          # interleaved repetitions: the table shows their medians
     steps: int = 3          # timed steps per variant per rep
     warmup: int = 2
     budget_mb: int = 768
@@ -85,15 +89,15 @@ OFFLOAD_DIR = os.path.join(tempfile.gettempdir(), "minizero-bench-offload")  # (
 def variants(quick):
     ours = lambda s, native, ov=True: Variant(f"stage{s}-{'native' if native else 'ring'}{'' if ov else '-noovl'}",
                                               "zero", s, native, ov)  # noqa: E731
-    torch_rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2")]
-    disk = Variant("stage3-ring-disk", "zero", 3, offload="disk")
+    # the rows a summary ratio compares come one after the other (a rep rotates the order)
+    rows = [Variant("torch-ddp", "ddp"), ours(0, True), ours(0, False), Variant("stage3-ring-disk", "zero", 3,
+            offload="disk"), ours(3, False), ours(3, True, False), ours(3, True), Variant("torch-fsdp2", "fsdp2")]
     unrecorded = [Variant(f"stage{s}-ring-norec", "zero", s, record=False) for s in (0, 3)]
     if quick:  # just what the summary line needs
-        return torch_rows + [ours(0, False), ours(0, True), ours(3, False), ours(3, True), ours(3, True, False), disk,
-                             *unrecorded]
+        return rows + unrecorded
     # overlap (the reduce-scatter during backward; at stage 3 also the prefetch) at both ends
-    return torch_rows + [ours(s, f, ov) for s in (0, 1, 2, 3) for f in (False, True)
-                         for ov in ((True, False) if s in (0, 3) else (True,))] + [disk, *unrecorded]
+    return rows + [ours(s, f, ov) for s in (0, 1, 2, 3) for f in (False, True)
+                   for ov in ((True, False) if s in (0, 3) else (True,)) if ours(s, f, ov) not in rows] + unrecorded
 
 
 # -----------------------------------------------------------------------------
@@ -163,17 +167,26 @@ def decay_groups(model):
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def medians(res, names, reps):
-    """ms per step of each variant: the median over reps of the slowest rank's time."""
-    return {name: 1000 * statistics.median(max(r[name]["times"][i] for r in res) for i in range(reps))
-            for name in names}
+def slowest(res, names, reps, key="times"):
+    """Seconds per step of each variant in each rep: the slowest rank's (key="cpu": CPU seconds)."""
+    return {name: [max(r[name][key][i] for r in res) for i in range(reps)] for name in names}
 
 
-def ratios(ms):
+def medians(times):
+    """ms per step of each variant: the median over reps."""
+    return {name: 1000 * statistics.median(t) for name, t in times.items()}
+
+
+def paired(times, a, b):
+    """a's time over b's: the median over reps of the ratio within each rep."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def ratios(times):
     """The table's three comparisons with torch and with no overlap."""
-    return {"stage0-native/ddp": ms["stage0-native"] / ms["torch-ddp"],
-            "stage3-native/fsdp2": ms["stage3-native"] / ms["torch-fsdp2"],
-            "stage3 overlap on/off": ms["stage3-native"] / ms["stage3-native-noovl"]}
+    return {"stage0-native/ddp": paired(times, "stage0-native", "torch-ddp"),
+            "stage3-native/fsdp2": paired(times, "stage3-native", "torch-fsdp2"),
+            "stage3 overlap on/off": paired(times, "stage3-native", "stage3-native-noovl")}
 
 
 def batches(cfg, rank, n, device="cpu"):
@@ -239,7 +252,7 @@ def time_world(comm, cfg):
     gcfg = gpt_config(cfg)
     built = [build(v, comm, gcfg) for v in cfg.variants]
     data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps, comm.device)
-    out = {v.name: dict(times=[], sent=None, loss=None, numel=None) for v in cfg.variants}
+    out = {v.name: dict(times=[], cpu=[], sent=None, loss=None, numel=None) for v in cfg.variants}
     k = {v.name: 0 for v in cfg.variants}  # each variant walks the same batches in the same order
 
     def run(v, step, n):
@@ -266,9 +279,10 @@ def time_world(comm, cfg):
     for rep in range(cfg.reps):
         for v, (step, _) in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
             dist.barrier()  # line the ranks up outside the timed window
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             run(v, step, cfg.steps)
             out[v.name]["times"].append((time.perf_counter() - t0) / cfg.steps)
+            out[v.name]["cpu"].append((time.process_time() - c0) / cfg.steps)  # every thread of the rank
     for _, engine in built:
         if engine is not None:
             engine.close()
@@ -306,20 +320,22 @@ def bench(cfg):
           f"medians over {cfg.reps} interleaved reps of {cfg.steps} steps after {cfg.warmup} warm-up; "
           f"a step's time is the slowest rank's" + ("\n--quick: proves it runs; its times are too short "
                                                     "to mean much" if cfg.reps == 1 else ""), flush=True)
-    res = ops.run_processes(time_world, N, cfg, check=False, timeout=600)
-    ms = medians(res, [v.name for v in cfg.variants], cfg.reps)
+    res = ops.run_processes(time_world, N, cfg, check=False, timeout=900)
+    times = slowest(res, [v.name for v in cfg.variants], cfg.reps)
+    cpu = slowest(res, [v.name for v in cfg.variants], cfg.reps, "cpu")  # steadier on a loaded machine
+    ms, cpu_ms = medians(times), medians(cpu)
     mem = {}
     for v in cfg.variants:  # one fresh world per row: peak RSS is a lifetime maximum
         per_rank = run_measured(memory_world, N, cfg, v) if v.record else [(float("nan"),) * 3]
         mem[v.name] = (max(p for p, _, _ in per_rank), max(p - b for p, b, _ in per_rank))
     ddp, fsdp = ms["torch-ddp"], ms["torch-fsdp2"]
     mib = lambda b: "n/a" if b is None else f"{b / MiB:.2f}"  # noqa: E731
-    print(f"\n{'':<41}{'MiB sent/step/rank':^26}{'peak RSS MiB':^17}\n{'variant':<20}{'ms/step':>8}"
-          f"{'/ddp':>6}{'/fsdp2':>7}{'ledger':>9}{'formula':>9}{'wire':>8}{'total':>9}{'+model':>8}")
+    print(f"\n{'':<49}{'MiB sent/step/rank':^26}{'peak RSS MiB':^17}\n{'variant':<20}{'ms/step':>8}"
+          f"{'CPU ms':>8}{'/ddp':>6}{'/fsdp2':>7}{'ledger':>9}{'formula':>9}{'wire':>8}{'total':>9}{'+model':>8}")
     for v in cfg.variants:
         r0 = res[0][v.name]
         psi = {"ddp": "  (2Psi)", "fsdp2": "  (3Psi)"}.get(v.kind, "")
-        print(f"{v.name:<20}{ms[v.name]:>8.1f}{ms[v.name] / ddp:>6.2f}{ms[v.name] / fsdp:>7.2f}"
+        print(f"{v.name:<20}{ms[v.name]:>8.1f}{cpu_ms[v.name]:>8.1f}{ms[v.name] / ddp:>6.2f}{ms[v.name] / fsdp:>7.2f}"
               f"{mib(r0['sent']):>9}{mib(comm_formula(v, r0['numel'], n_params, N)):>9}{mib(r0['wire']):>8}"
               f"{mem[v.name][0] / MiB:>9.0f}{mem[v.name][1] / MiB:>8.0f}{psi}")
     drift = max(abs(res[0][v.name]["loss"] - res[0]["torch-ddp"]["loss"]) for v in cfg.variants)
@@ -327,23 +343,26 @@ def bench(cfg):
           f"  formula: DESIGN.md's ring bytes, (N-1)/N of Psi per collective over Psi\n"
           f"  wire: loopback bytes of one step, all ranks, / N; gloo's reduce_scatter_tensor is an "
           f"all-reduce underneath (twice the ring's bytes)\n"
+          f"  CPU ms: CPU seconds of every thread of the slowest rank's process (gloo's included) per step\n"
           f"  peak RSS: max over ranks, a fresh world per row; +model: above the RSS after a tiny warm-up\n"
           f"  last losses agree with DDP's to {drift:.1e}; {time.time() - t_start:.0f} s")
 
-    disk = ms["stage3-ring-disk"] / ms["stage3-ring"]
-    s0, s3, ovl = ratios(ms).values()
-    ring = {s: ms[f"stage{s}-ring"] / ms[f"stage{s}-native"] for s in range(4) if f"stage{s}-ring" in ms}
+    disk = paired(times, "stage3-ring-disk", "stage3-ring")
+    (s0, s3, ovl), (s0_cpu, s3_cpu, _) = ratios(times).values(), ratios(cpu).values()
+    ring = {s: paired(times, f"stage{s}-ring", f"stage{s}-native") for s in range(4) if f"stage{s}-ring" in ms}
     worst = max(ring, key=ring.get)
+    print("overhead over a plain torch loop (AdamW fused=False):", flush=True)
+    (big, big_cpu), (tiny, _) = overhead(cfg)
     ok = lambda good: "met" if good else "MISSED"  # noqa: E731
-    print(f"targets: stage0-native/ddp <= 1.10 {ok(s0 <= 1.10)}; stage3-native/fsdp2 <= 1.10 {ok(s3 <= 1.10)}; "
+    print(f"targets: stage0-native/ddp <= 1.00 {ok(s0 <= 1.00)}; stage3-native/fsdp2 <= 0.85 {ok(s3 <= 0.85)}; "
           f"stage3 overlap on/off < 1 {ok(ovl < 1)}; ring/native <= 1.5 {ok(ring[worst] <= 1.5)} "
-          f"(worst stage: {worst})")
+          f"(worst stage: {worst}); overhead over a plain loop <= 1.05 {ok(big <= 1.05)}")
     print("flight record (always on), ms/step with / without: " + ", ".join(
         f"stage{s}-ring {ms[f'stage{s}-ring']:.1f} / {ms[f'stage{s}-ring-norec']:.1f} "
         f"({ms[f'stage{s}-ring'] / ms[f'stage{s}-ring-norec']:.3f}x)" for s in (0, 3)))
-    print(f"summary: stage0-native/ddp {s0:.2f}x  stage3-native/fsdp2 {s3:.2f}x  "
-          f"stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in memory "
-          f"{disk:.2f}x")
+    print(f"summary: stage0-native/ddp {s0:.2f}x (CPU {s0_cpu:.2f}x)  stage3-native/fsdp2 {s3:.2f}x (CPU "
+          f"{s3_cpu:.2f}x)  stage3 overlap on/off {ovl:.2f}x  ring/native {ring[worst]:.2f}x  stage3 disk offload/in "
+          f"memory {disk:.2f}x  overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")
 
 
 def plot(out_dir, quick):
@@ -457,7 +476,7 @@ def max_model(cfg):
 def plain_vs_engine(comm, cfg):
     """One rank trains the same GPT two ways, alternating reps: a plain torch loop (AdamW
     unfused, bf16 autocast on GPU, as nanoGPT) and minizero's stage-0 engine (bf16 params,
-    fp32 master). Returns {name: [seconds per step, per rep]} and the last losses."""
+    fp32 master). Returns {name: [seconds per step, per rep]} ("name cpu": CPU) and the last losses."""
     cuda = comm.device.type == "cuda"
     data = batches(cfg, 0, cfg.warmup + cfg.reps * cfg.steps, comm.device)
     plain = GPT(gpt_config(cfg), torch.Generator().manual_seed(1337)).to(comm.device)
@@ -481,7 +500,7 @@ def plain_vs_engine(comm, cfg):
         return loss.detach()
 
     steps = {"plain": plain_step, "minizero": engine_step}
-    out = {name: [] for name in steps}
+    out = {key: [] for name in steps for key in (name, name + " cpu")}
     for step in steps.values():
         for x, y in data[:cfg.warmup]:
             step(x, y)
@@ -490,31 +509,43 @@ def plain_vs_engine(comm, cfg):
         batch = data[cfg.warmup + rep * cfg.steps:][:cfg.steps]
         for name in list(steps)[::1 if rep % 2 == 0 else -1]:  # alternate who goes first
             sync()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for x, y in batch:
                 steps[name](x, y)
             sync()
             out[name].append((time.perf_counter() - t0) / len(batch))
+            out[name + " cpu"].append((time.process_time() - c0) / len(batch))
     losses = {name: float(steps[name](*data[-1])) for name in steps}  # the same batch: near-equal losses
     return out, losses
+
+
+def overhead(cfg, tiny=True):
+    """One rank (on a GPU if there is one): minizero's stage-0 engine over a plain torch loop at
+    cfg's GPT (and a tiny one: mostly the fixed cost). Returns [(ratio, ratio of CPU times)]."""
+    torch.set_num_threads(1)  # as every rank of the table: one torch thread
+    cuda, out = torch.cuda.is_available(), {}
+    small = replace(cfg, n_layer=1, n_head=2, n_embd=32, block=16, batch=2, steps=10 * cfg.steps)
+    for name, c in {"GPT": cfg, **({"tiny GPT": small} if tiny else {})}.items():
+        c = replace(c, world_size=1)
+        times, losses = ops.run_threads(plain_vs_engine, 1, c, device="cuda" if cuda else "cpu")[0]
+        ms, out[name] = medians(times), (paired(times, "minizero", "plain"), paired(times, "minizero cpu", "plain cpu"))
+        print(f"  {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}, {c.reps} reps of {c.steps} steps: plain "
+              f"torch loop{' (bf16 autocast)' if cuda else ''} {ms['plain']:.2f} ms/step, minizero stage 0 at one rank"
+              f"{' (bf16)' if cuda else ''} {ms['minizero']:.2f} ({ms['minizero'] - ms['plain']:+.2f} ms, "
+              f"{out[name][0]:.3f}x; CPU time {out[name][1]:.3f}x); last losses {losses['plain']:.4f} and "
+              f"{losses['minizero']:.4f}", flush=True)
+    return list(out.values())
 
 
 def gpu_bench(quick):
     torch.set_num_threads(1)  # as every rank of the table: one torch thread
     cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
     big = dict(n_layer=12, n_head=12, n_embd=768, block=1024, batch=8, reps=5, steps=3, warmup=3)  # GPT-2 shape
     tiny = dict(n_layer=1, n_head=2, n_embd=32, block=16, batch=2, reps=2, steps=1, warmup=1)
     cfg = Config(world_size=1, **(tiny if quick or not cuda else big))
     where = torch.cuda.get_device_name() if cuda else "the CPU (no CUDA: tiny sizes, times mean nothing)"
-    print(f"--gpu on {where}: GPT {cfg.n_layer}x{cfg.n_embd}, batch {cfg.batch}x{cfg.block}, medians over "
-          f"{cfg.reps} reps of {cfg.steps} steps", flush=True)
-    times, losses = ops.run_threads(plain_vs_engine, 1, cfg, device=device)[0]
-    ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
-    overhead = ms["minizero"] / ms["plain"]
-    print(f"  plain torch loop (AdamW fused=False{', bf16 autocast' if cuda else ''}) {ms['plain']:.1f} ms/step, "
-          f"minizero stage 0 (1 rank{', bf16' if cuda else ''}) {ms['minizero']:.1f} ms/step: overhead "
-          f"{overhead:.2f}x; last losses {losses['plain']:.4f} and {losses['minizero']:.4f}", flush=True)
+    print(f"--gpu on {where}:", flush=True)
+    over = overhead(cfg, tiny=False)[0][0]
     # the native rows: NCCL puts one rank on each GPU, so one GPU runs world size 1 only
     n = max(1, torch.cuda.device_count()) if cuda else 1
     rows = [Variant("torch-ddp", "ddp"), Variant("torch-fsdp2", "fsdp2"), Variant("stage0-native", "zero", 0, True),
@@ -522,11 +553,11 @@ def gpu_bench(quick):
     cfg = replace(cfg, world_size=n, variants=tuple(rows), reps=min(cfg.reps, 3), steps=min(cfg.steps, 2),
                   warmup=min(cfg.warmup, 2))
     res = ops.run_processes(time_world, n, cfg, backend="nccl" if cuda else "gloo", check=False, timeout=600)
-    row = medians(res, [v.name for v in rows], cfg.reps)
+    row = slowest(res, [v.name for v in rows], cfg.reps)
     print(f"  native rows, fp32, world size {n} ({'nccl' if cuda else 'gloo'}): "
-          + ", ".join(f"{name} {t:.1f} ms" for name, t in row.items()), flush=True)
+          + ", ".join(f"{name} {t:.1f} ms" for name, t in medians(row).items()), flush=True)
     skipped = "world sizes above 1 (one GPU; NCCL takes one GPU per rank)" if cuda and n == 1 else "none"
-    print(f"summary: overhead vs plain torch loop {overhead:.2f}x; world {n}: "
+    print(f"summary: overhead vs plain torch loop {over:.2f}x; world {n}: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in ratios(row).items()) + f"; skipped: {skipped}")
 
 
@@ -535,6 +566,7 @@ if __name__ == "__main__":
     ap.add_argument("--world-size", type=int, default=None, help="ranks (default 2; 4 with --max-model)")
     ap.add_argument("--quick", action="store_true", help="tiny model, one rep, fewer rows: proves it runs")
     ap.add_argument("--max-model", action="store_true", help="the scale claim: largest model per budget")
+    ap.add_argument("--overhead", action="store_true", help="one rank: minizero against a plain torch loop")
     ap.add_argument("--gpu", action="store_true", help="gpu_check.sh: overhead over a plain torch loop, "
                                                        "native rows on CUDA (tiny on the CPU)")
     ap.add_argument("--budget-mb", type=int, default=Config.budget_mb,
@@ -556,4 +588,8 @@ if __name__ == "__main__":
         if a.quick:
             cfg = replace(cfg, n_layer=2, n_embd=64, block=32, batch=4, reps=1, steps=2)
         cfg = replace(cfg, reps=a.reps or cfg.reps, steps=a.steps or cfg.steps)
-        bench(cfg)
+        if not a.overhead:
+            bench(cfg)
+        else:
+            (big, big_cpu), (tiny, _) = overhead(cfg)
+            print(f"summary: overhead/plain loop {big:.2f}x (CPU {big_cpu:.2f}x, tiny GPT {tiny:.2f}x)")

@@ -67,12 +67,13 @@ class Engine:
         self.in_backward = False                # a forward now is a recomputation inside backward
         self.writing = False                    # inside gathered(writable=True): loading weights is fine
         self.closed = False                     # close() was called: the hooks refuse
-        self.jobs = []                          # this micro-batch's reductions in flight
+        self.jobs, self.last = [], None         # this micro-batch's reductions in flight; the job submitted last
         self.next = 0                           # the next unit, in self.order, to reduce
         self.trace = 0                          # a hash of the units this rank gathered and reduced
         self.fwd_order, self.bwd_order = [], []  # stage 3: units in the order the first pass used them
-        # one communication thread per rank runs collectives in the order they are asked
-        # for, so they pair up across ranks while autograd goes on (on GPU, on a side stream)
+        # one communication thread per rank runs collectives in the order they are asked for, so they
+        # pair up across ranks while autograd goes on (GPU: on a side stream); one rank sends nothing
+        overlap = overlap and comm.world_size > 1
         self.pool = comm_thread(comm) if overlap else None
         self.side = torch.cuda.Stream(comm.device) if overlap and comm.device.type == "cuda" else None
 
@@ -122,26 +123,24 @@ class Engine:
         if self.pool is None:
             out = job()
             return Pending(lambda: out)
-        if self.side is None:
-            return Pending(self.pool.submit(job).result)
-        ready = torch.cuda.Event()
-        ready.record()  # GPU: the side stream waits for the compute that made the inputs
+        if self.side is not None:
+            ready, compute = torch.cuda.Event(), job
+            ready.record()  # GPU: the side stream waits for the compute that made the inputs
 
-        def on_side_stream():
-            with torch.cuda.stream(self.side):
-                self.side.wait_event(ready)
-                out = job()
-                self.side.synchronize()
-                return out
-        return Pending(self.pool.submit(on_side_stream).result)
+            def job():
+                with torch.cuda.stream(self.side):
+                    self.side.wait_event(ready)
+                    out = compute()
+                    self.side.synchronize()
+                    return out
+        self.last = Pending(self.pool.submit(job).result)
+        return self.last
 
     def _drain(self):
-        """Wait until the communication thread is idle: after this, collectives may run inline."""
-        for job in self.jobs:
+        """Wait until the communication thread is idle (its last job is done): collectives may then run inline."""
+        jobs, self.jobs, self.last = [j for j in (*self.jobs, self.last) if j is not None], [], None
+        for job in jobs:
             job.wait()  # re-raises a failed collective here
-        self.jobs = []
-        if self.pool is not None:
-            self.pool.submit(lambda: None).result()
 
     # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
 
@@ -312,7 +311,8 @@ class Engine:
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
         self._log(u, 1)
         # which rank's own gradient went bad: NaN or inf anywhere makes the fp32 sum so (one pass, no copy)
-        self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
+        if self.comm.world_size > 1:  # (one rank: its own gradient is the sum, which _agree checks)
+            self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
 
         def job():
             if self.sharded["optimizer"]:
@@ -338,7 +338,8 @@ class Engine:
         self.next = 0
         self.in_backward = True
         try:
-            (loss.float() * (self.scale / self.grad_accum)).backward()
+            factor = self.scale / self.grad_accum  # (x·1 is x: no multiply, nor its backward)
+            (loss.float() * factor if factor != 1 else loss.float()).backward()
         finally:
             self.in_backward = False
         for u in self.units:  # units whose parameters were not all used: reduce them now
@@ -394,26 +395,26 @@ class Engine:
         rank gathered and reduced the same units (else their collectives paired wrongly);
         which parameters got a gradient on any rank in any micro-batch (DDP's unused-parameter
         rule); whether any gradient went non-finite, in a rank's own gradient or in the sum.
-        Returns None if all is finite, else the ranks whose own gradient was not."""
-        mine = [float(self.trace), float(not self.finite),
-                float(not all(torch.isfinite(u.reduced.sum(dtype=torch.float32)) for u in self.units))]
-        mine += [float(x) for u in self.units for x in u.used]
-        flags = all_gather(torch.tensor(mine, dtype=torch.float64, device=self.device), self.comm, kind="flags")
-        flags, self.trace = flags.view(self.comm.world_size, -1).cpu(), 0
-        if (flags[:, 0] != flags[0, 0]).any():
+        Returns None if all is finite, else the ranks whose own gradient was not. The
+        flags are read once: the step's one host read of a device value (a GPU's queue drains)."""
+        sums = torch.stack([u.reduced.sum(dtype=torch.float32) for u in self.units]).isfinite().all()
+        bad = torch.stack([~(self.finite if self.comm.world_size > 1 else sums), ~sums]).double()  # on device
+        mine = [float(self.trace)] + [float(x) for u in self.units for x in u.used]
+        mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=self.device)])
+        flags, self.trace = all_gather(mine, self.comm, kind="flags").view(self.comm.world_size, -1).tolist(), 0
+        if any(f[2] != flags[0][2] for f in flags):
             self._drop_grads()
             raise RuntimeError(
                 f"step {self.t + 1}: the ranks gathered or reduced different units, so their collectives paired "
                 f"up wrongly and nothing was updated. At stage 3 each rank gathers the units its forward runs: "
                 f"a module that only some ranks run (an MoE expert, a branch) must share a unit with modules "
                 f"every rank runs (units=[...], e.g. a whole MoE layer as one unit), or use stage 0-2")
-        flags = flags[:, 1:]
-        used = iter(flags[:, 2:].amax(0).bool().tolist())
+        used = iter(any(col) for col in zip(*(f[3:] for f in flags)))
         for u in self.units:
             u.used = [next(used) for _ in u.params]
         self.finite.fill_(True)
-        if flags[:, :2].any():
-            return [k for k in range(self.comm.world_size) if flags[k, 0]]
+        if any(f[0] or f[1] for f in flags):
+            return [k for k, f in enumerate(flags) if f[0]]
         return None
 
     def _skip(self, bad):

@@ -291,7 +291,12 @@ def ddp_reduce(local, reduced, shards, replicas, last, out=None):
     """Stage 0: DDP's all-reduce, cut in two around accumulation. Reduce-scatter every
     micro-batch (reduce_grads); after the last, all-gather the summed shard so every rank
     holds the whole reduced gradient ((S-1)/S·Ψ_u more). -> (reduced shard, whole or None).
-    On torch's collectives one micro-batch is one native all-reduce instead (not hybrid)."""
+    On torch's collectives one micro-batch is one native all-reduce instead (not hybrid).
+    One rank: its gradient is the sum, and nothing moves (its bucket is overwritten only
+    after the step)."""
+    if shards.world_size == 1 and replicas.world_size == 1:
+        reduced = (local if last else local.clone()) if reduced is None else reduced + local
+        return reduced, (reduced if last else None)
     if last and reduced is None and shards.native and replicas.world_size == 1:
         full = all_reduce(local, shards)
         return full.view(shards.world_size, -1)[shards.rank], full

@@ -176,6 +176,9 @@ def runs(u, hp):
     return out
 
 
+BLOCK = 2 ** 16  # CPU: AdamW makes ~15 passes; over 256 KiB blocks they stay in cache (~2x faster)
+
+
 def update(master, state, grad, steps, hp, whole=None, gather=None, device=None):
     """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
     grad is the reduced gradient sum there; master and the state tensors (by key) are
@@ -183,15 +186,19 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
-    g = grad.to(master.device, torch.float32) * hp.unscale  # (offloaded: the update runs on the host)
+    g = grad.to(master.device, torch.float32)  # (offloaded: the update runs on the host)
+    g = g if hp.unscale == 1 else g * hp.unscale  # (x·1 is x: one rank, no loss scale)
     if hp.coef is not None:
         g = g * hp.coef.to(g.device)
     o, gather = hp.options, gather or (lambda x: x)
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
-        if p.kind == "adamw":
-            adamw(master[p.a:p.b], g[p.a:p.b], s["m"], s["v"], t, hp.lr, *o["betas"], o["eps"],
-                  1 - hp.lr * wd if wd else 1.0)
+        if p.kind == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
+            step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
+            for lo in range(p.a, p.b, step):
+                hi, i, j = min(p.b, lo + step), lo - p.a, min(p.b, lo + step) - p.a
+                adamw(master[lo:hi], g[lo:hi], s["m"][i:j], s["v"][i:j], t, hp.lr, *o["betas"], o["eps"],
+                      1 - hp.lr * wd if wd else 1.0)
         elif p.kind == "sgd":
             sgd(master[p.a:p.b], g[p.a:p.b], s.get("momentum_buffer"), t, hp.lr, o["momentum"], o["nesterov"], wd)
     if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
@@ -234,7 +241,8 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
     tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
     operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...): out of
     place, a step would need ten full-size temporaries."""
-    p.mul_(decay)
+    if decay != 1:  # (x·1 is x: no pass over parameters that do not decay)
+        p.mul_(decay)
     m.mul_(beta1).add_(g * (1 - beta1))
     v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
     denom = v.sqrt().div_(torch.full((), math.sqrt(1 - beta2 ** t), device=v.device)).add_(eps)
