@@ -212,6 +212,20 @@ def write_state(engine, states):
             t.copy_(state[k])
 
 
+def write_master(engine, u, full):
+    """Take the unit's whole params `full` as the new weights (engine.gathered(writable=True)):
+    this rank's master (on disk too), the stage-3 shard, and flat."""
+    mine = u.chunk(full, engine.shards.rank) if engine.sharded["optimizer"] else full
+    state = read_state(engine, u)  # (from disk: a copy, written back whole: a slot is written whole)
+    state["master"].copy_(mine)
+    if engine.disk is not None:
+        write_state(engine, [(u, state)])
+    if u.shard is not None and u.shard is not u.master:
+        u.shard.copy_(mine)
+    elif u.shard is None and full is not u.flat:
+        u.flat.copy_(full)
+
+
 def frozen(engine):
     """{name: tensor} of the model's state that is not a trainable parameter."""
     trainable = {id(p) for u in engine.units for p in u.params}

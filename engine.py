@@ -18,7 +18,7 @@ import torch
 
 import checkpoint
 from flight import Tracer
-from checkpoint import read_state, write_state
+from checkpoint import write_master
 from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
@@ -245,22 +245,10 @@ class Engine:
             for u in units:
                 full = u.flat if u.held is None else u.held
                 if writable:
-                    self._write_master(u, broadcast(full, self.comm, kind="gathered"))
+                    write_master(self, u, broadcast(full, self.comm, kind="gathered"))
                 if u.held is not None:  # the params keep viewing what was held, so a backward
                     u.mark(released=True)  # through a loss read in here still finds the values;
                     u.held = None          # the next gather points them at flat again
-
-    def _write_master(self, u, full):
-        """Take the unit's whole params `full` as the new weights: master, shard, flat."""
-        mine = u.chunk(full, self.shards.rank) if self.sharded["optimizer"] else full
-        state = read_state(self, u)  # (from disk: a copy, written back whole: a slot is written whole)
-        state["master"].copy_(mine)
-        if self.disk is not None:
-            write_state(self, [(u, state)])
-        if u.shard is not None and u.shard is not u.master:
-            u.shard.copy_(mine)
-        elif u.shard is None and full is not u.flat:
-            u.flat.copy_(full)
 
     # ---- backward: collect local gradients, reduce-scatter each unit once it is complete
 
@@ -471,7 +459,6 @@ class Engine:
         if offloaded:
             return offloaded_bytes(*layout, self.offload, self.offload_params, state)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype, state)
-
 
     def save_checkpoint(self, path, meta=None):
         """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
