@@ -86,7 +86,8 @@ MUTANTS = [
            "u.steps = [t + used for", "u.steps = [t + 1 for",
            "test_models.py::test_parameters_skipped_on_some_steps_and_ranks"),
     Mutant("used = rank 0's flags only (not any rank's)", "engine:Engine._agree",
-           "used = iter(flags[:, 2:].amax(0)", "used = iter(flags[0, 2:]",
+           "used = iter(any(col) for col in zip(*(f[3:] for f in flags)))",
+           "used = iter(bool(x) for x in flags[0][3:])",
            "test_models.py::test_parameters_skipped_on_some_steps_and_ranks"),
     # skipping, loss scale
     Mutant("a non-finite step taken anyway", "engine:Engine.step",
