@@ -480,13 +480,13 @@ def _compare(row, ranks, base, n, stage, buffers, initial):
                 row.first = next((d for d in found if d is not None), None)
 
 
-def _chunk(theirs, mine, layout, n, r, what=None):
+def _chunk(theirs, mine, layout, n, r):
     """Stage 0's whole buffer, cut as this stage keeps it (a shard: its chunk), and where to
-    name an element of it: (tensor, (names, offsets, sizes, where the chunk starts, what))."""
+    name an element of it: (tensor, (names, offsets, sizes, where the chunk starts))."""
     names, offsets, sizes, s = layout
     if mine.numel() < theirs.numel():  # a shard: against its chunk of stage 0's
-        return theirs[s:s + mine.numel()], (names, offsets, sizes, s, what)
-    return theirs, (names, offsets, sizes, 0, what)  # whole buffers: element i is element i
+        return theirs[s:s + mine.numel()], (names, offsets, sizes, s)
+    return theirs, (names, offsets, sizes, 0)  # whole buffers: element i is element i
 
 
 def _steps(h, ref, layout, what, r, step, n, stage):
@@ -521,11 +521,10 @@ def _diff(row, what, a, b, where, rank, step, micro, n, stage):
         row.max_diff = max(row.max_diff, float(gap.max()))
     name, index = where, i
     if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
-        names, offsets, sizes, s, *what_of = where
+        names, offsets, sizes, s = where
         g = s + i
         name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
                            ("padding", g))
-        name += f" ({what_of[0]})" if what_of and what_of[0] else ""
     return Divergence(what, n, stage, step, micro, rank, name, index, float(x[i]), float(y[i]),
                       float(gap.max()), _ulps(a, b))
 
