@@ -298,7 +298,7 @@ def ddp_reduce(local, reduced, shards, replicas, last, out=None):
         reduced = (local if last else local.clone()) if reduced is None else reduced + local
         return reduced, (reduced if last else None)
     if last and reduced is None and shards.native and replicas.world_size == 1:
-        full = all_reduce(local, shards)
+        full = all_reduce(local, shards, out=local)  # in the bucket, as DDP's
         return full.view(shards.world_size, -1)[shards.rank], full
     reduced = reduce_grads(local, reduced, shards, replicas, last)
     return reduced, (all_gather(reduced, shards, out=out) if last else None)

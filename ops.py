@@ -148,6 +148,8 @@ class ThreadComm:
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
         ys = torch.stack([s[1] for s in slots])
+        if out is x:  # in place: every rank has read x before anyone overwrites it
+            self._barrier(barrier)
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(len(ranks), -1)[me] if op == "reduce_scatter" else ys.sum(0))
         if out.is_cuda:  # the reads above are done before their owners may overwrite them
@@ -393,7 +395,8 @@ class ProcessComm:
             for src, g in zip(ranks, hs.view(len(ranks), -1)):
                 self._check(kind, x, src, g, latch=False)  # every rank sees it: the world stays usable
         if op == "all_reduce":
-            self._guard(kind, lambda: dist.all_reduce(out.copy_(x), group=group, async_op=True).wait(self.timeout))
+            y = out if out is x else out.copy_(x)  # (gloo and NCCL sum in place)
+            self._guard(kind, lambda: dist.all_reduce(y, group=group, async_op=True).wait(self.timeout))
         else:
             self._guard(kind, lambda: _NATIVE[op](out, x.contiguous(), group=group,
                                                   async_op=True).wait(self.timeout))
@@ -699,18 +702,18 @@ def all_gather(shard, comm, out=None, kind="all_gather"):
 
 
 @_recorded("all_reduce")
-def all_reduce(x, comm, kind=None):
+def all_reduce(x, comm, kind=None, out=None):
     """Sum over ranks: reduce-scatter then all-gather, so each chunk is summed in the
-    ring's order. Each rank sends 2(N-1)/N of x, booked as the two halves' kinds (or both
-    as `kind`). The native path is one all-reduce, booked as the ring's two halves (gloo's
-    reduce-scatter is itself an all-reduce)."""
+    ring's order (out=x: in place). Each rank sends 2(N-1)/N of x, booked as the two halves'
+    kinds (or both as `kind`). The native path is one all-reduce, booked as the ring's two
+    halves (gloo's reduce-scatter is itself an all-reduce)."""
     n = comm.world_size
     if comm.native and n > 1:
         half = (n - 1) * _chunks(x, n)[0].numel() * x.element_size()
         _book(comm, kind or "reduce_scatter", (comm.rank + 1) % n, half)
         _book(comm, kind or "all_gather", (comm.rank + 1) % n, half)
-        return comm.run_native("all_reduce", x, torch.empty_like(x), "all_reduce")
-    return all_gather(reduce_scatter(x, comm, kind or "reduce_scatter"), comm, kind=kind or "all_gather")
+        return comm.run_native("all_reduce", x, torch.empty_like(x) if out is None else out, "all_reduce")
+    return all_gather(reduce_scatter(x, comm, kind or "reduce_scatter"), comm, out=out, kind=kind or "all_gather")
 
 
 @_recorded("broadcast")

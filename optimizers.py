@@ -17,6 +17,7 @@ and v, SGD's and Muon's momentum_buffer, Adafactor's row and col, or variance fo
 held per unit and range by key (state_layout), so the engine moves, offloads and saves it
 without knowing which optimizer made it.
 """
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -186,21 +187,21 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
-    g = grad.to(master.device, torch.float32)  # (offloaded: the update runs on the host)
-    g = g if hp.unscale == 1 else g * hp.unscale  # (x·1 is x: one rank, no loss scale)
-    if hp.coef is not None:
-        g = g * hp.coef.to(g.device)
-    o, gather = hp.options, gather or (lambda x: x)
+    o, gather = hp.options, gather or (lambda x: x)  # (offloaded: the update runs on the host, master's device)
+    scratch = torch.empty(3, BLOCK) if master.is_cpu else None  # AdamW's temporaries, reused by every block
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
         if p.kind == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
             step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
             for lo in range(p.a, p.b, step):
                 hi, i, j = min(p.b, lo + step), lo - p.a, min(p.b, lo + step) - p.a
-                adamw(master[lo:hi], g[lo:hi], s["m"][i:j], s["v"][i:j], t, hp.lr, *o["betas"], o["eps"],
-                      1 - hp.lr * wd if wd else 1.0)
+                tmp = (None,) * 3 if scratch is None else scratch[:, :hi - lo]
+                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp, master.device, tmp[2]), s["m"][i:j], s["v"][i:j], t, hp.lr,
+                      *o["betas"], o["eps"], 1 - hp.lr * wd if wd else 1.0, out=tmp[:2])
         elif p.kind == "sgd":
-            sgd(master[p.a:p.b], g[p.a:p.b], s.get("momentum_buffer"), t, hp.lr, o["momentum"], o["nesterov"], wd)
+            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp, master.device), s.get("momentum_buffer"), t, hp.lr,
+                o["momentum"], o["nesterov"], wd)
+    g = mean_grad(grad, hp, master.device) if whole else None
     if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
         dev = device or master.device  # (lerp is a fused kernel: the host's may round otherwise)
         x = torch.zeros(len(g), dtype=torch.bfloat16, device=dev)
@@ -233,21 +234,41 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
             master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b].to(master.device), alpha=-size)
 
 
-def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay):
+def mean_grad(grad, hp, device, out=None):
+    """The mean gradient: the reduced sum, in fp32 on the update's device, times 1/(N·loss
+    scale), then times the clipping coefficient (x·1 is x: one rank unclipped reads the sum)."""
+    g = grad.to(device, torch.float32)
+    if hp.unscale != 1:
+        g = torch.mul(g, hp.unscale, out=out)
+    return g if hp.coef is None else torch.mul(g, hp.coef.to(device), out=out)
+
+
+def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay, out=(None, None)):
     """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
     1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
     + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
     whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
     tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
-    operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...): out of
-    place, a step would need ten full-size temporaries."""
+    operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...); the
+    temporaries go into `out` (two tensors of p's size), or new ones (None)."""
+    tmp, tmp2 = out
+    d, b1, c1, b2, c2, bc2, e, step = scalars(p.device, decay, beta1, 1 - beta1, beta2, 1 - beta2,
+                                              math.sqrt(1 - beta2 ** t), eps, lr / (1 - beta1 ** t))
     if decay != 1:  # (x·1 is x: no pass over parameters that do not decay)
-        p.mul_(decay)
-    m.mul_(beta1).add_(g * (1 - beta1))
-    v.mul_(beta2).add_(g.mul(g).mul_(1 - beta2))
-    denom = v.sqrt().div_(torch.full((), math.sqrt(1 - beta2 ** t), device=v.device)).add_(eps)
-    p.sub_(m.div(denom).mul_(lr / (1 - beta1 ** t)))
+        p.mul_(d)
+    m.mul_(b1).add_(torch.mul(g, c1, out=tmp))
+    v.mul_(b2).add_(torch.mul(g, g, out=tmp).mul_(c2))
+    denom = torch.sqrt(v, out=tmp2).div_(bc2).add_(e)
+    p.sub_(torch.div(m, denom, out=tmp).mul_(step))
     return p, m, v
+
+
+@functools.lru_cache(maxsize=64)
+def scalars(device, *xs):
+    """xs as 0-d fp32 tensors on device, made once. An op with a Python number converts it
+    to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
+    fp32 value rounds the same (the kernels multiply in fp32 either way)."""
+    return tuple(torch.full((), x, dtype=torch.float32, device=device) for x in xs)
 
 
 def sgd(p, g, buf, t, lr, momentum, nesterov, weight_decay):

@@ -190,12 +190,13 @@ def test_broadcast_copies_rank0(n, strict_p2p):
 # 3. the native path on threads: same results to tolerance, same ledger
 
 def _ring_and_native(comm, chunk, dtype, seed, with_all_reduce=False):
-    """reduce_scatter, all_gather (and all_reduce) on the ring and on the native path:
-    {native: (results..., ledger deltas...)}."""
+    """reduce_scatter, all_gather (and all_reduce, also in place) on the ring and on the
+    native path: {native: (results..., ledger deltas...)}."""
     n, r = comm.world_size, comm.rank
     x, shard = make_input(r, n * chunk, dtype, seed), make_input(r + 100, chunk, dtype, seed)
     calls = [lambda: ops.reduce_scatter(x, comm), lambda: ops.all_gather(shard, comm)]
-    calls += [lambda: ops.all_reduce(x, comm)] if with_all_reduce else []
+    calls += [lambda: ops.all_reduce(x, comm), lambda: (ops.all_reduce(y := x.clone(), comm, out=y), y)[1]] \
+        if with_all_reduce else []
     out = {}
     for native in (False, True):
         comm.native = native
@@ -480,15 +481,17 @@ def test_processes_match_threads(tmp_path):
                 else:
                     assert a == b
             assert_bits_equal(pc[False][0], ring_reference(xs, r))
-            frs, fag, far = pc[True][:3]
+            frs, fag, far, far_in_place = pc[True][:4]
             assert_sum_close(frs, xs, r, dtype)
             assert_bits_equal(fag, tc[True][1])
             for c in range(PROC_N):
                 assert_sum_close(far.view(PROC_N, -1)[c], xs, c, dtype)
-            assert pc[True][3:] == tc[True][3:] == pc[False][3:]
-            assert pc[False][3:] == (expected_ledger(["reduce_scatter"], PROC_N, chunk, dtype),
+            assert_bits_equal(far_in_place, far)  # out=x: the same sum, in x
+            assert_bits_equal(pc[False][3], pc[False][2])
+            assert pc[True][4:] == tc[True][4:] == pc[False][4:]
+            assert pc[False][4:] == (expected_ledger(["reduce_scatter"], PROC_N, chunk, dtype),
                                      expected_ledger(["all_gather"], PROC_N, chunk, dtype),
-                                     expected_ledger(["reduce_scatter", "all_gather"], PROC_N, chunk, dtype))
+                                     *[expected_ledger(["reduce_scatter", "all_gather"], PROC_N, chunk, dtype)] * 2)
         f, b = p[len(PROC_CASES)]
         assert_bits_equal(f, torch.arange(5.0))
         assert b.dtype == torch.bool and b.tolist() == [True, False, True]
