@@ -98,6 +98,7 @@ class Piece(NamedTuple):
     a: int         # its elements inside the range: [a, b), relative to lo
     b: int
     at: dict       # key -> (c, d): its state inside the range's tensor of that key
+    decays: tuple = ()  # the [a, b) parts of it whose parameters decay (runs)
 
 
 def state_layout(offsets, shapes, kinds, keys, lo, hi):
@@ -160,17 +161,23 @@ class Hyper(NamedTuple):
 def runs(u, hp):
     """The steps of the unit's range this step: (Piece, step count, weight decay) per
     parameter some rank gave a gradient (torch skips a grad=None parameter: no decay, no
-    state, no step). Elementwise neighbours that agree are merged into one piece. Every
-    stage cuts its range the same way, so the same elements see the same numbers."""
+    state, no step); a Piece's decays say where the weight decay applies. Elementwise
+    neighbours with the same step count are merged into one piece: AdamW's always (its
+    decay is a multiply of its own, per parameter), SGD's only with the same weight decay
+    (it enters the gradient). Every stage cuts its range the same way, so the same
+    elements see the same numbers."""
     out = []
     for p in u.pieces:
         if not u.used[p.i]:
             continue
         t, wd = u.steps[p.i], hp.weight_decay if u.decays[p.i] else 0.0
+        p, wd = p._replace(decays=((p.a, p.b),) if wd else ()), hp.weight_decay if p.kind == "adamw" else wd
         if out and p.kind not in WHOLE and out[-1][0].kind == p.kind and out[-1][1:] == (t, wd) \
                 and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
             q = out[-1][0]
-            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()})
+            decays = q.decays[:-1] + ((q.decays[-1][0], p.b),) if q.decays and p.decays and q.decays[-1][1] == p.a \
+                else q.decays + p.decays  # (neighbours that both decay: one span)
+            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()}, decays=decays)
             out[-1] = (p, t, wd)
         else:
             out.append((p, t, wd))
@@ -193,11 +200,15 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
         if p.kind == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
             step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
+            decay = scalars(master.device, 1 - hp.lr * wd)[0]
             for lo in range(p.a, p.b, step):
                 hi, i, j = min(p.b, lo + step), lo - p.a, min(p.b, lo + step) - p.a
+                for a, b in p.decays:  # decoupled weight decay first: p·(1 - lr·wd) where it applies
+                    if a < hi and lo < b:
+                        master[max(a, lo):min(b, hi)].mul_(decay)
                 tmp = (None,) * 3 if scratch is None else scratch[:, :hi - lo]
-                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp, master.device, tmp[2]), s["m"][i:j], s["v"][i:j], t, hp.lr,
-                      *o["betas"], o["eps"], 1 - hp.lr * wd if wd else 1.0, out=tmp[:2])
+                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp, master.device, tmp[2]), s["m"][i:j], s["v"][i:j], t,
+                      hp.lr, *o["betas"], o["eps"], out=tmp[:2])
         elif p.kind == "sgd":
             sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp, master.device), s.get("momentum_buffer"), t, hp.lr,
                 o["momentum"], o["nesterov"], wd)
@@ -243,19 +254,17 @@ def mean_grad(grad, hp, device, out=None):
     return g if hp.coef is None else torch.mul(g, hp.coef.to(device), out=out)
 
 
-def adamw(p, g, m, v, t, lr, beta1, beta2, eps, decay, out=(None, None)):
-    """One AdamW step, torch.optim.AdamW semantics: decoupled weight decay (decay is
-    1 - lr·weight_decay), bias correction, eps outside the sqrt. Elementwise, with only
-    + - * / sqrt (each rounded once, never fused), so a shard gives the same bits as the
-    whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
+def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
+    """One AdamW step after its weight decay (decoupled: update multiplies p by 1 - lr·wd
+    first), torch.optim.AdamW semantics: bias correction, eps outside the sqrt. Elementwise,
+    with only + - * / sqrt (each rounded once, never fused), so a shard gives the same bits
+    as the whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
     tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
-    operations in the same order as p * decay, m * beta1 + g * (1 - beta1), ...); the
-    temporaries go into `out` (two tensors of p's size), or new ones (None)."""
+    operations in the same order as m * beta1 + g * (1 - beta1), ...); the temporaries go
+    into `out` (two tensors of p's size), or new ones (None)."""
     tmp, tmp2 = out
-    d, b1, c1, b2, c2, bc2, e, step = scalars(p.device, decay, beta1, 1 - beta1, beta2, 1 - beta2,
-                                              math.sqrt(1 - beta2 ** t), eps, lr / (1 - beta1 ** t))
-    if decay != 1:  # (x·1 is x: no pass over parameters that do not decay)
-        p.mul_(d)
+    b1, c1, b2, c2, bc2, e, step = scalars(p.device, beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2 ** t),
+                                           eps, lr / (1 - beta1 ** t))
     m.mul_(b1).add_(torch.mul(g, c1, out=tmp))
     v.mul_(b2).add_(torch.mul(g, g, out=tmp).mul_(c2))
     denom = torch.sqrt(v, out=tmp2).div_(bc2).add_(e)

@@ -101,8 +101,8 @@ def test_a_nan_that_torch_does_not_share(monkeypatch):
     looks up). Every stage shares the NaN, torch (with eps) does not: a finding, not
     'all stages agree'; and the steps skipped after it leave the parameters as they were."""
     real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay, **kw:
-                        real(p, g, m, v, t, lr, b1, b2, 0.0, decay, **kw))
+    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+                        real(p, g, m, v, t, lr, b1, b2, 0.0, **kw))
     report = run(world_sizes=(2,), eps=1e-8)
     first = report.first
     assert (first.what, first.step, first.name) == ("referee-update", 0, "emb.weight") and first.ours != first.ours
@@ -220,8 +220,8 @@ def no_mean_over_ranks(monkeypatch):
 
 def decay_twice(monkeypatch):
     real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay, **kw:
-                        real(p.mul_(decay), g, m, v, t, lr, b1, b2, eps, decay, **kw))
+    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+                        real(p.mul_(1 - lr * KW["weight_decay"]), g, m, v, t, lr, b1, b2, eps, **kw))
 
 
 def clip_on_the_squared_norm(monkeypatch):
@@ -232,8 +232,8 @@ def clip_on_the_squared_norm(monkeypatch):
 
 def no_bias_correction(monkeypatch):
     real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, decay, **kw:
-                        real(p, g, m, v, 1e9, lr, b1, b2, eps, decay, **kw))
+    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+                        real(p, g, m, v, 1e9, lr, b1, b2, eps, **kw))
 
 
 @pytest.mark.parametrize("plant", [no_mean_over_ranks, decay_twice, clip_on_the_squared_norm, no_bias_correction])
