@@ -51,6 +51,7 @@ from typing import Optional
 
 import torch
 
+import launch
 import ops
 import referee as torch_referee
 from checkpoint import read_state
@@ -222,7 +223,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 row = Row(n, s)
                 try:
                     if processes:  # (on nccl each rank's tensors come back on its own GPU: gather them)
-                        runs[s] = _to(ops.run_processes(_rank, n, s, spec, timeout=timeout,
+                        runs[s] = _to(launch.run_processes(_rank, n, s, spec, timeout=timeout,
                                                         backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
                         runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
