@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from launch import remove_at_end
 from minizero import Place, gather_whole, share_params
-from ops import all_gather, remove_at_end
+from ops import all_gather
 from optimizers import runs, update
 
 F32 = 4  # bytes per element of master and the state

@@ -1,7 +1,7 @@
 """
 The communication layer of minizero: a communicator whose one point-to-point operation
 is an exchange (send to one rank and receive from another, as one group), the ring
-collectives written on it, and the ways to start a world of ranks.
+collectives written on it, and a world of thread ranks (launch.py starts process ranks).
 
     reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
     all_gather(shard) -> full       every rank ends with every rank's chunk
@@ -18,29 +18,21 @@ own collectives (NCCL on GPU), which sum in an order of their own.
 Two transports run the same ring code:
     run_threads(fn, world_size, *args)    ranks are threads of this process (tests), on the
                                           CPU or sharing one GPU (device="cuda")
-    run_processes(fn, world_size, *args)  ranks are local processes on gloo or nccl
-    init_from_env()                       ranks started by torchrun, any number of nodes
+    ProcessComm                           ranks are processes on gloo or nccl (launch.py:
+                                          run_processes, or init_from_env under torchrun)
 """
 import contextlib
-import ctypes
 import functools
 import hashlib
-import os
-import pickle
 import queue
-import signal
-import sys
-import tempfile
 import threading
 import time
-import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import flight
 import nccl_model
@@ -300,8 +292,8 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
 
 
 # -----------------------------------------------------------------------------
-# transport 2: torch.distributed (gloo on CPU, nccl on GPU). With check=True every
-# message is preceded by a 64-byte header naming its kind, size and dtype.
+# transport 2: torch.distributed (gloo on CPU, nccl on GPU), its ranks started by launch.py.
+# With check=True every message is preceded by a 64-byte header naming its kind, size and dtype.
 
 class ProcessComm:
     def __init__(self, timeout=120.0, check=True, native=False, store=None):
@@ -413,170 +405,6 @@ class ProcessComm:
 # torch's own collectives: *_single in newer torch, *_tensor in older (same arguments)
 _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
            "all_gather": getattr(dist, "all_gather_single", dist.all_gather_into_tensor)}
-
-
-def init_from_env(timeout=300.0, check=None, native=True):
-    """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
-    else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun.
-    check (headers before every message) defaults to on for gloo, whose process aborts
-    when a message meets a receive of another size; on nccl a mismatch is found by the timeout."""
-    device = None
-    if torch.cuda.is_available():
-        device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device)
-    return ProcessComm(timeout, device is None if check is None else check, native)
-
-
-def _rank_device(local_rank):
-    """This process's GPU, made current before anything touches CUDA (NCCL's batched point-to-point
-    needs it); also given to init_process_group as device_id, which starts NCCL at once."""
-    count = torch.cuda.device_count()
-    if not 0 <= local_rank < count:
-        raise ValueError(f"LOCAL_RANK is {local_rank} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} processes per "
-                         f"node (torchrun --nproc_per_node={count}), one GPU each")
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
-    return device
-
-
-def _die_with_parent(parent):
-    """A rank must not outlive its launcher, however the launcher ends (kill -9 included).
-    On Linux the kernel kills us the moment it goes (PR_SET_PDEATHSIG); everywhere, a
-    thread checks twice a second that it is still our parent, which also covers a launcher
-    that died before the prctl call."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-    threading.Thread(target=watch, daemon=True).start()
-
-
-_RUN_DIR = None  # in a rank spawned by run_processes: the launcher's folder for this run
-
-
-def remove_at_end(path):
-    """For files a rank makes that must not outlive its run (disk offload's): in a rank spawned
-    by run_processes the path is listed where the launcher looks, and the launcher removes it
-    when the run ends, even if the rank was killed. Elsewhere the caller's own cleanup is all."""
-    if _RUN_DIR is not None:
-        with open(os.path.join(_RUN_DIR, f"files-{os.getpid()}"), "a") as f:
-            f.write(path + "\n")
-
-
-def _remove_listed(folder):
-    for name in (n for n in os.listdir(folder) if n.startswith("files-")):
-        with open(os.path.join(folder, name)) as f:
-            for path in filter(os.path.exists, f.read().splitlines()):
-                os.remove(path)
-
-
-def _process_main(rank, world_size, backend, store_path, timeout, check, parent, fn, args, results):
-    global _RUN_DIR
-    _RUN_DIR = os.path.dirname(store_path)
-    _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches us too: the launcher alone handles it
-    try:
-        device = _rank_device(rank) if backend == "nccl" else None
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout), device_id=device)
-        out = fn(ProcessComm(timeout, check, store=store), *args)
-        results.put(("ok", rank, pickle.dumps(out)))
-    except BaseException as e:  # (a diagnosis ends with the rank it blames, for _blame)
-        blame = f"\n{e.culprit}" if hasattr(e, "culprit") else ""
-        results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}{blame}"))
-    results.close()
-    results.join_thread()  # the result is handed over: now leave without gloo's exit-time abort
-    os._exit(0)
-
-
-def _terminated(signum, frame):
-    """SIGTERM, how schedulers stop a job: leave run_processes through its `finally`, which
-    kills every rank, and exit with the status the signal itself would have given."""
-    print(f"{os.path.basename(sys.argv[0])}: stopped by SIGTERM; killing every rank", file=sys.stderr)
-    raise SystemExit(128 + signum)
-
-
-def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=True):
-    """Spawn world_size local ranks running fn(comm, *args) (fn must be importable);
-    return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed and
-    this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
-    or any exception kill them all, and they kill themselves if this process dies."""
-    _check_world_size(world_size)
-    if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
-                         f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")
-    ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
-    results = ctx.Queue()
-    main = threading.current_thread() is threading.main_thread()  # the only thread that takes signals
-    before = signal.signal(signal.SIGTERM, _terminated) if main else None
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_process_main, daemon=True,
-                             args=(r, world_size, backend, os.path.join(tmp, "store"), timeout,
-                                   check, os.getpid(), fn, args, results)) for r in range(world_size)]
-        for p in procs:
-            p.start()
-        out, failure = {}, None
-        try:
-            failure = _wait_for_ranks(procs, results, out)
-        finally:
-            for p in procs:
-                if len(out) < world_size:  # a failure, an exception, SIGTERM or ^C: no rank goes on
-                    p.kill()  # (a no-op on a rank that has exited)
-                p.join(timeout=10)
-            _remove_listed(tmp)  # files the ranks left behind (a rank killed, or gone by os._exit)
-            if main:
-                signal.signal(signal.SIGTERM, before)
-    if failure is not None:
-        raise RuntimeError(failure)
-    return [out[r] for r in range(world_size)]
-
-
-def _wait_for_ranks(procs, results, out, grace=2.0):
-    """Collect each rank's result into out; return None, or the failure to report. An error
-    is not final until every rank has reported or exited, or `grace` seconds have passed:
-    the rank that died often cannot be seen dead yet when a survivor reports the broken
-    connection, and the report must name the rank that died, not the survivor."""
-    errors, deadline = {}, None
-    while len(out) < len(procs):
-        try:
-            status, rank, payload = results.get(timeout=0.2)
-            if status == "ok":
-                out[rank] = pickle.loads(payload)
-            else:
-                errors[rank] = payload
-        except queue.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
-        if (errors or dead) and deadline is None:
-            deadline = time.monotonic() + grace
-        settled = len(out) + len(errors) + len(dead) == len(procs)  # each reported, or died without a word
-        if deadline is not None and (settled or time.monotonic() > deadline):
-            return _blame(procs, errors, dead)
-    return None
-
-
-def _blame(procs, errors, dead):
-    """The first-hand failure: a rank that died (its peers' errors follow from that), else a
-    rank's own error, else the rank a flight diagnosis blames (one that went its own way or
-    never arrived: not the first rank that died of it), else the lowest rank that gave up
-    on a peer (PeerFailed)."""
-    if dead:
-        code = procs[dead[0]].exitcode
-        name = {s.value: s.name for s in signal.Signals}.get(-code, "unnamed")
-        return f"rank {dead[0]} " + (f"was killed by signal {-code} ({name})" if code < 0
-                                     else f"died with exit code {code}")
-    diagnosed = ("CollectiveMismatch:", "CollectiveStall:")
-    own = [r for r in sorted(errors) if not errors[r].startswith(("PeerFailed:", *diagnosed))]
-    if not own and any(e.startswith(diagnosed) for e in errors.values()):
-        message, culprit = next(e for _, e in sorted(errors.items()) if e.startswith(diagnosed)).rsplit("\n", 1)
-        return f"rank {culprit} failed: {message}"  # (_process_main appends the rank it blames)
-    r = own[0] if own else min(errors)
-    return f"rank {r} failed: {errors[r]}"
 
 
 # -----------------------------------------------------------------------------

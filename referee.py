@@ -1,6 +1,7 @@
 """
-The torch referee of minizero.check: stage 0 against torch itself, step by step. The
-stages are held to stage 0's bits (check.py); this holds stage 0 to what torch computes,
+The referee of minizero.check: it judges the runs that check.py records, step by step.
+Every stage is held to stage 0's bits, every rank to rank 0's, memory and bytes to the
+formulas (compare); and stage 0 to what torch computes (hold_to_torch, the torch referee),
 split so that nothing amplifies rounding: torch's gradient at the engine's parameters, and
 torch's optimizer (AdamW, SGD, Adafactor, or Muon + AdamW) driven by the engine's own
 gradient (see check.py's docstring).
@@ -12,6 +13,123 @@ import torch
 import check
 from minizero import cast_floats
 from optimizers import OPTIMIZERS, optimizer_options
+
+
+# -----------------------------------------------------------------------------
+# every stage against stage 0, every rank against rank 0, and the formulas
+
+
+def compare(row, ranks, base, n, stage, buffers, initial):
+    """Fill row: this stage against stage 0 (base); every rank's starting values against
+    rank 0's model (initial), its parameters after a step against rank 0's, and the buffers
+    every forward read against rank 0's (after a step they differ: each rank's forward
+    updates its own, and rank 0's win at the next forward, as in DDP); and the formulas."""
+    for r, run in enumerate(ranks):
+        for name, value in initial.items():
+            found = _diff(None, "initial", run["initial"][name].cpu(), value, name, r, 0, None, n, stage)
+            row.first = row.first or found
+    for step, h0 in enumerate(ranks[0]["hist"]):
+        for r, run in enumerate(ranks):
+            h, ref = run["hist"][step], base[r]["hist"][step] if base else None
+            found = []
+            if ref is not None:
+                for m, (mine, theirs) in enumerate(zip(h["grads"], ref["grads"])):
+                    for ui, (a, b) in enumerate(zip(mine, theirs)):
+                        found.append(_diff(row, "grads", a, b, run["layout"][ui], r, step, m, n, stage))
+                for name in h["state"]:
+                    found.append(_diff(row, "params", h["state"][name], ref["state"][name], name, r, step, None,
+                                       n, stage))
+                for ui, (a, b) in enumerate(zip(h["live"], ref["live"])):  # the params forward reads
+                    found.append(_diff(row, "params", a, *_chunk(b, a, run["layout"][ui]), r, step, None, n, stage))
+                for mine, theirs in zip(h["moments"], ref["moments"]):  # the optimizer's state, by key
+                    for (name, k), (start, t) in mine.items():
+                        found.append(_diff(row, "optimizer", t, theirs[name, k][1][start:start + t.numel()],
+                                           f"{name} ({k})", r, step, None, n, stage))
+                found.append(_steps(h, ref, run["layout"], "optimizer", r, step, n, stage))
+            for name in h["state"].keys() - buffers:
+                found.append(_diff(None, "ranks", h["state"][name], h0["state"][name], name, r, step, None, n, stage))
+            found.append(_steps(h, h0, run["layout"], "ranks", r, step, n, stage))
+            for m, (mine, theirs) in enumerate(zip(h["read"], h0["read"])):  # buffers as each forward read them
+                for seen, seen0 in zip(mine, theirs):
+                    found += [_diff(None, "ranks", seen[k], seen0[k], f"{k} (as forward read it)", r, step, m, n,
+                                    stage) for k in seen]
+            if h["memory"] != run["formula"] or h["kept"]:
+                row.memory_ok = False
+                key = next((k for k in h["memory"] if h["memory"][k] != run["formula"].get(k)), h["kept"])
+                found.append(check.Divergence("memory", n, stage, step, None, r, key, 0, h["memory"].get(key, 0),
+                                              run["formula"].get(key, 0)))
+            expect = _bytes(run, stage, h["stepped"])
+            if h["sent"] != expect:
+                row.bytes_ok = False
+                key = next(k for k in check.KEPT if h["sent"][k] != expect[k])
+                found.append(check.Divergence("bytes", n, stage, step, None, r, key, 0, h["sent"][key], expect[key]))
+            if row.first is None:
+                row.first = next((d for d in found if d is not None), None)
+
+
+def _chunk(theirs, mine, layout):
+    """Stage 0's whole buffer, cut as this stage keeps it (a shard: its chunk), and where to
+    name an element of it: (tensor, (names, offsets, sizes, where the chunk starts))."""
+    names, offsets, sizes, s = layout
+    if mine.numel() < theirs.numel():  # a shard: against its chunk of stage 0's
+        return theirs[s:s + mine.numel()], (names, offsets, sizes, s)
+    return theirs, (names, offsets, sizes, 0)  # whole buffers: element i is element i
+
+
+def _steps(h, ref, layout, what, r, step, n, stage):
+    """AdamW's per-parameter step counts, against stage 0's or rank 0's."""
+    for (names, *_), mine, theirs in zip(layout, h["steps"], ref["steps"]):
+        for name, a, b in zip(names, mine, theirs):
+            if a != b:
+                return check.Divergence(what, n, stage, step, None, r, f"{name} (AdamW step count)", 0, a, b,
+                                        abs(a - b))
+    return None
+
+
+def _bytes(run, stage, stepped):
+    expect = dict(run["bytes"])
+    if not stepped and stage in (1, 2):  # a skipped step gathers no params (stage 0 gathered its grads)
+        expect["all_gather"] = 0
+    if not stepped:  # ...and nothing for the optimizer
+        expect.pop("optimizer", None)
+    return {k: expect.get(k, 0) for k in check.KEPT}
+
+
+def _diff(row, what, a, b, where, rank, step, micro, n, stage):
+    """None if a and b are the same bits; else a Divergence at their first difference.
+    where is a parameter's name, or a unit's layout (names, offsets, sizes, where a's chunk starts)."""
+    if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.isnan(), b.isnan()) \
+            and torch.equal(a.masked_fill(a.isnan(), 0), b.masked_fill(b.isnan(), 0)):  # NaN where NaN
+        return None
+    x, y = a.double().reshape(-1), b.double().reshape(-1)
+    bad = ((x != y) & ~(x.isnan() & y.isnan())).nonzero()
+    i = int(bad[0]) if len(bad) else 0
+    gap = (x - y).abs().nan_to_num(float("inf"))
+    if row is not None:
+        row.max_diff = max(row.max_diff, float(gap.max()))
+    name, index = where, i
+    if not isinstance(where, str):  # a reduced shard: find the parameter its element belongs to
+        names, offsets, sizes, s = where
+        g = s + i
+        name, index = next(((nm, g - o) for nm, o, k in zip(names, offsets, sizes) if o <= g < o + k),
+                           ("padding", g))
+    return check.Divergence(what, n, stage, step, micro, rank, name, index, float(x[i]), float(y[i]),
+                            float(gap.max()), _ulps(a, b))
+
+
+def _ulps(a, b):
+    """The largest distance in units of last place between a and b (same dtype)."""
+    if not a.is_floating_point() or a.dtype != b.dtype:
+        return 0
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    def ordered(t):  # floats' bit patterns, made monotonic in value
+        i = t.contiguous().view(ints).long()
+        return torch.where(i < 0, -(i & (2 ** (8 * a.element_size() - 1) - 1)), i)
+    return int((ordered(a) - ordered(b)).abs().max())
+
+
+# -----------------------------------------------------------------------------
+# stage 0 against torch
 
 
 def hold_to_torch(row, model, ranks, spec, n, tol, device):
@@ -33,7 +151,7 @@ def hold_to_torch(row, model, ranks, spec, n, tol, device):
         if not h["stepped"]:  # skipped for a non-finite gradient, as torch's GradScaler: no parameter moves
             row.skipped += 1
             for nm in h["state"].keys() - {nm for nm, _ in model.named_buffers()}:
-                found = check._diff(None, "referee-skip", h["state"][nm], state[nm], nm, 0, step, None, n, 0)
+                found = _diff(None, "referee-skip", h["state"][nm], state[nm], nm, 0, step, None, n, 0)
                 row.first = row.first or found
             state = h["state"]  # (the buffers moved: the forward ran)
             continue
@@ -142,4 +260,4 @@ def _referee_divergence(what, ours, theirs, gap, name, step, n):
     x, y = ours.double().reshape(-1), theirs.double().reshape(-1)
     i = int(gap.reshape(-1).argmax())
     return check.Divergence(what, n, 0, step, None, 0, name, i, float(x[i]), float(y[i]),
-                            float(_gap(ours, theirs).max()), check._ulps(ours.float(), theirs.float()))
+                            float(_gap(ours, theirs).max()), _ulps(ours.float(), theirs.float()))

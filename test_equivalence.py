@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 import check
 import minizero
+import launch
 import ops
 
 torch.set_num_threads(1)  # ranks are threads: keep each one's kernels single-threaded
@@ -308,7 +309,7 @@ def torch_ddp(comm, c):
 
 @pytest.fixture(scope="module")
 def gloo_results():
-    return ops.run_processes(gloo_world, 3)
+    return launch.run_processes(gloo_world, 3)
 
 
 @on_gloo

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import cli
 import minizero
+import launch
 import ops
 import train_gpt as tg
 
@@ -106,7 +107,7 @@ def _raises_while_peer_sends(comm):
 
 def test_the_rank_killed_is_named_not_the_survivor():
     with pytest.raises(RuntimeError) as info:
-        ops.run_processes(_killed_while_peer_sends, 2)
+        launch.run_processes(_killed_while_peer_sends, 2)
     assert str(info.value) == "rank 0 was killed by signal 9 (SIGKILL)"
 
 
@@ -114,12 +115,12 @@ def test_a_closed_connection_is_second_hand():
     """gloo raises at the send itself once the peer is gone: that is a PeerFailed too, so the
     rank that raised first-hand is named."""
     with pytest.raises(RuntimeError, match=r"^rank 1 failed: KeyError: 'planted on rank 1'"):
-        ops.run_processes(_raises_while_peer_sends, 2)
+        launch.run_processes(_raises_while_peer_sends, 2)
 
 
 @pytest.mark.parametrize("world_size", [0, -1])
 def test_world_size_below_one(world_size):
-    for run in (ops.run_threads, ops.run_processes):
+    for run in (ops.run_threads, launch.run_processes):
         with pytest.raises(ValueError, match=f"world_size must be at least 1 .*; got {world_size}"):
             run(lambda comm: None, world_size)
 
@@ -142,7 +143,7 @@ def one_line_error(capsys, main, argv, prog):
 def files(tmp_path, monkeypatch):
     def no_ranks(*a, **k):
         raise AssertionError("a rank was started")
-    monkeypatch.setattr(ops, "run_processes", no_ranks)
+    monkeypatch.setattr(launch, "run_processes", no_ranks)
     (tmp_path / "empty.txt").write_bytes(b"")
     (tmp_path / "short.txt").write_bytes(b"x" * 300)  # val split: 30 bytes < block_size + 1
     (tmp_path / "bad.json").write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')

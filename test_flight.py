@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import bench
 import minizero
+import launch
 import ops
 from train_gpt import GPT, GPTConfig
 
@@ -90,7 +91,7 @@ def test_a_forward_on_one_rank_is_named_on_gloo():
     the record's tag, so the ranks stop before any payload moves (before this, gloo aborted rank
     1 with `op.preamble.length <= op.nbytes` and the launcher blamed it)."""
     with pytest.raises(RuntimeError) as info:
-        ops.run_processes(stage3, 2, "eval", timeout=20.0)
+        launch.run_processes(stage3, 2, "eval", timeout=20.0)
     message = str(info.value)
     assert message.startswith("rank 0 failed: CollectiveMismatch") and "SIGABRT" not in message
     assert_names_the_eval(message, 2)
@@ -99,7 +100,7 @@ def test_a_forward_on_one_rank_is_named_on_gloo():
 def test_a_rank_that_never_arrives_is_named_on_gloo():
     """The stalled rank is busy in its own code: its watcher thread answers through the store."""
     with pytest.raises(RuntimeError) as info:
-        ops.run_processes(stage3, 2, "stall", timeout=3.0)
+        launch.run_processes(stage3, 2, "stall", timeout=3.0)
     message = str(info.value)
     assert message.startswith("rank 1 failed: CollectiveStall: rank 1 never arrived at collective #"), message
     assert "(waited 3s)" in message and "time.sleep(6.0)  # a stuck data loader" in message

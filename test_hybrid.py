@@ -18,6 +18,7 @@ import check
 import cli
 import engine
 import minizero
+import launch
 import ops
 from test_checkpoint import case, logical, train
 from test_equivalence import FIXED, Net, assert_same, cases, make, on_gloo, run_check
@@ -193,7 +194,7 @@ def _spec(c, **kw):
 
 @on_gloo
 def test_processes_at_a_shard_size():
-    results = ops.run_processes(gloo_world, 4)
+    results = launch.run_processes(gloo_world, 4)
     threads = [ops.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
     for rank, (ring, native) in enumerate(results):
         for i in range(2):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
+import launch
 import ops
 from check import _perturb
 
@@ -411,7 +412,7 @@ def _ddp_on(comm, name, make):
 
 @pytest.fixture(scope="module")
 def gloo():
-    return ops.run_processes(gloo_world, 3, check=False)
+    return launch.run_processes(gloo_world, 3, check=False)
 
 
 def test_mismatched_models_on_gloo_without_headers(gloo):

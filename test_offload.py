@@ -19,6 +19,7 @@ import checkpoint
 import cli
 import minizero
 import offload
+import launch
 import ops
 from test_checkpoint import case, train
 from test_equivalence import assert_same, make
@@ -183,9 +184,9 @@ def _killed_with_offload_files(comm, folder):  # (top-level: run_processes impor
 
 def test_a_killed_rank_leaves_no_offload_files(tmp_path):
     """A spawned rank that is killed (or leaves by os._exit, as every rank does) runs none of
-    its cleanup: run_processes removes the files its ranks listed (ops.remove_at_end)."""
+    its cleanup: run_processes removes the files its ranks listed (launch.remove_at_end)."""
     with pytest.raises(RuntimeError, match="rank 0 was killed by signal 9"):
-        ops.run_processes(_killed_with_offload_files, 1, str(tmp_path))
+        launch.run_processes(_killed_with_offload_files, 1, str(tmp_path))
     assert offload_files(tmp_path) == []
 
 

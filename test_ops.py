@@ -1,5 +1,5 @@
 """
-Tests of ops.py: the ring collectives, their documented reduction order (DESIGN.md,
+Tests of ops.py and launch.py: the ring collectives, their documented reduction order (DESIGN.md,
 invariant 2), the byte ledger, the native path, both transports, and failure handling.
 
 The reference for the ring is computed here, directly from the contract: chunk c of the
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
+import launch
 import ops
 
 torch.set_num_threads(1)
@@ -465,7 +466,7 @@ def _dies_hard(comm):
 
 
 def test_processes_match_threads(tmp_path):
-    err = _expect_failure(lambda: ops.run_processes(_fixed_cases, PROC_N, str(tmp_path)),
+    err = _expect_failure(lambda: launch.run_processes(_fixed_cases, PROC_N, str(tmp_path)),
                           "mismatched collectives", within=60.0)
     # the ranks part at the ring's mismatch: rank 0, the one that reduce-scatters, is named
     assert str(err).startswith("rank 0 failed: CollectiveMismatch") and "rank 0 went its own way" in str(err)
@@ -500,12 +501,12 @@ def test_processes_match_threads(tmp_path):
 
 
 def test_planted_exception_on_processes():
-    _expect_failure(lambda: ops.run_processes(_planted, 2),
+    _expect_failure(lambda: launch.run_processes(_planted, 2),
                     "rank 1 failed: KeyError", "planted on rank 1")
 
 
 def test_hard_death_on_processes():
-    err = _expect_failure(lambda: ops.run_processes(_dies_hard, 2), "rank 1")
+    err = _expect_failure(lambda: launch.run_processes(_dies_hard, 2), "rank 1")
     assert "rank 1 died with exit code 3" in str(err)
 
 
@@ -536,10 +537,10 @@ def test_init_from_env_checks_local_rank_and_starts_nccl_at_once(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
     monkeypatch.setattr(ops, "ProcessComm", lambda *args: "comm")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert ops.init_from_env() == "comm"
+    assert launch.init_from_env() == "comm"
     assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", torch.device("cuda", 1))]
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ValueError, match=r"LOCAL_RANK is 2 but this process sees 2 GPU\(s\).*--nproc_per_node=2"):
-        ops.init_from_env()
+        launch.init_from_env()
     with pytest.raises(ValueError, match="nccl takes one GPU per rank: world size 3 needs that many, this machine has 2"):
-        ops.run_processes(_planted, 3, backend="nccl")
+        launch.run_processes(_planted, 3, backend="nccl")

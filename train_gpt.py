@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import checkpoint
 import minizero
+import launch
 import ops
 from ds_config import grad_accum_for, parse_ds_config, read_json
 
@@ -484,7 +485,7 @@ def main(argv=None):
     try:
         if "RANK" in os.environ:  # started by torchrun
             try:
-                comm = ops.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
+                comm = launch.init_from_env(native=torch.cuda.is_available() if cfg["native"] is None else cfg["native"])
             except ValueError as e:  # more processes than GPUs: one line, as the options' errors
                 print(f"train_gpt.py: error: {e}", file=sys.stderr)
                 sys.exit(2)
@@ -492,7 +493,7 @@ def main(argv=None):
             torch.distributed.destroy_process_group()  # NCCL asks for it: no rank leaves work pending
         else:  # start our own world: one GPU per rank if there are enough, else CPU processes
             gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
-            ops.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
+            launch.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
     except KeyboardInterrupt:  # run_processes has killed every rank on its way out
         print("train_gpt.py: interrupted; every rank was stopped", file=sys.stderr)
         sys.exit(130)
