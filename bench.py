@@ -43,6 +43,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flight
+import launch
 import minizero
 import ops
 import plots
@@ -201,14 +202,14 @@ def gpt_config(cfg, n_layer=None):
 
 
 def run_measured(fn, world_size, *args):
-    """ops.run_processes, with glibc's malloc told to give every block over 128 KiB straight
+    """launch.run_processes, with glibc's malloc told to give every block over 128 KiB straight
     back to the OS (a fixed mmap threshold). By default glibc raises that threshold as big
     tensors are freed and keeps freed memory cached, per thread arena: peak RSS then swings
     by 100s of MiB from run to run. With it fixed, RSS follows the tensors alive."""
     env = dict(os.environ)
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)  # read by each spawned rank at start
     try:
-        return ops.run_processes(fn, world_size, *args, check=False, timeout=600)
+        return launch.run_processes(fn, world_size, *args, check=False, timeout=600)
     finally:
         os.environ.clear()
         os.environ.update(env)
@@ -242,7 +243,7 @@ def rss_now():
 
 
 # -----------------------------------------------------------------------------
-# the worlds: each function runs on every rank (spawned by ops.run_processes)
+# the worlds: each function runs on every rank (spawned by launch.run_processes)
 
 
 def time_world(comm, cfg):
@@ -320,7 +321,7 @@ def bench(cfg):
           f"medians over {cfg.reps} interleaved reps of {cfg.steps} steps after {cfg.warmup} warm-up; "
           f"a step's time is the slowest rank's" + ("\n--quick: proves it runs; its times are too short "
                                                     "to mean much" if cfg.reps == 1 else ""), flush=True)
-    res = ops.run_processes(time_world, N, cfg, check=False, timeout=900)
+    res = launch.run_processes(time_world, N, cfg, check=False, timeout=900)
     times = slowest(res, [v.name for v in cfg.variants], cfg.reps)
     cpu = slowest(res, [v.name for v in cfg.variants], cfg.reps, "cpu")  # steadier on a loaded machine
     ms, cpu_ms = medians(times), medians(cpu)
@@ -381,7 +382,7 @@ def plot(out_dir, quick):
     plots.memory_png(plt, os.path.join(out_dir, "memory.png"), meta_params(cfg, cfg.n_layer), torch.bfloat16,
                      measured, list(worlds))
     with tempfile.TemporaryDirectory() as tmp:
-        ops.run_processes(traced_world, cfg.world_size, cfg, tmp, check=False, timeout=600)
+        launch.run_processes(traced_world, cfg.world_size, cfg, tmp, check=False, timeout=600)
         traces = []
         for r in range(cfg.world_size):
             with open(os.path.join(tmp, f"rank{r}.json")) as f:
@@ -552,7 +553,7 @@ def gpu_bench(quick):
             Variant("stage3-native", "zero", 3, True), Variant("stage3-native-noovl", "zero", 3, True, False)]
     cfg = replace(cfg, world_size=n, variants=tuple(rows), reps=min(cfg.reps, 3), steps=min(cfg.steps, 2),
                   warmup=min(cfg.warmup, 2))
-    res = ops.run_processes(time_world, n, cfg, backend="nccl" if cuda else "gloo", check=False, timeout=600)
+    res = launch.run_processes(time_world, n, cfg, backend="nccl" if cuda else "gloo", check=False, timeout=600)
     row = slowest(res, [v.name for v in rows], cfg.reps)
     print(f"  native rows, fp32, world size {n} ({'nccl' if cuda else 'gloo'}): "
           + ", ".join(f"{name} {t:.1f} ms" for name, t in medians(row).items()), flush=True)
