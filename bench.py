@@ -12,7 +12,9 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
-(in an order that rotates), so machine noise hits all alike. A step's time is the slowest
+(in an order that rotates), so machine noise hits all alike; each variant's first step in a
+rep is untimed (its state back in cache, as in a run that trains one model: cold, a variant
+paid for the 15 others run since). A step's time is the slowest
 rank's; the table shows medians over reps, a ratio the median of the ratios within a rep
 (its rows run one after the other, in the same load). One torch thread per rank (2 cores /
 2 ranks; at --world-size 4 ranks share cores). Ring headers are off (check=False).
@@ -252,7 +254,7 @@ def time_world(comm, cfg):
     torch.set_num_threads(1)
     gcfg = gpt_config(cfg)
     built = [build(v, comm, gcfg) for v in cfg.variants]
-    data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * cfg.steps, comm.device)
+    data = batches(cfg, comm.rank, cfg.warmup + METERED + cfg.reps * (1 + cfg.steps), comm.device)
     out = {v.name: dict(times=[], cpu=[], sent=None, loss=None, numel=None) for v in cfg.variants}
     k = {v.name: 0 for v in cfg.variants}  # each variant walks the same batches in the same order
 
@@ -279,6 +281,7 @@ def time_world(comm, cfg):
     pairs = list(zip(cfg.variants, built))
     for rep in range(cfg.reps):
         for v, (step, _) in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
+            run(v, step, 1)  # untimed: the variant's state back in cache
             dist.barrier()  # line the ranks up outside the timed window
             t0, c0 = time.perf_counter(), time.process_time()
             run(v, step, cfg.steps)
