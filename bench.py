@@ -528,7 +528,8 @@ def overhead(cfg, tiny=True):
     cfg's GPT (and a tiny one: mostly the fixed cost). Returns [(ratio, ratio of CPU times)]."""
     torch.set_num_threads(1)  # as every rank of the table: one torch thread
     cuda, out = torch.cuda.is_available(), {}
-    small = replace(cfg, n_layer=1, n_head=2, n_embd=32, block=16, batch=2, steps=10 * cfg.steps)
+    small = replace(cfg, n_layer=1, n_head=2, n_embd=32, block=16, batch=2, steps=10 * cfg.steps,
+                    reps=4 * cfg.reps)  # (ms steps: more reps, for a steady ratio)
     for name, c in {"GPT": cfg, **({"tiny GPT": small} if tiny else {})}.items():
         c = replace(c, world_size=1)
         times, losses = ops.run_threads(plain_vs_engine, 1, c, device="cuda" if cuda else "cpu")[0]
