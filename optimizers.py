@@ -195,7 +195,7 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)  # (offloaded: the update runs on the host, master's device)
-    scratch = torch.empty(3, BLOCK) if master.is_cpu else None  # AdamW's temporaries, reused by every block
+    scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
         if p.kind == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
@@ -206,7 +206,7 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
                 for a, b in p.decays:  # decoupled weight decay first: p·(1 - lr·wd) where it applies
                     if a < hi and lo < b:
                         master[max(a, lo):min(b, hi)].mul_(decay)
-                tmp = (None,) * 3 if scratch is None else scratch[:, :hi - lo]
+                tmp = scratch if scratch[0] is None or hi - lo == BLOCK else [x[:hi - lo] for x in scratch]
                 adamw(master[lo:hi], mean_grad(grad[lo:hi], hp, master.device, tmp[2]), s["m"][i:j], s["v"][i:j], t,
                       hp.lr, *o["betas"], o["eps"], out=tmp[:2])
         elif p.kind == "sgd":
