@@ -137,7 +137,7 @@ def test_bytes_inside_and_across_nodes_are_the_formulas(N, S, node):
             intra.append(sum(b for r, peer, b in sent if peer // node == r // node))
             inter.append(sum(b for r, peer, b in sent if peer // node != r // node))
         busiest = max(sum(b for peer, b in to.items() if peer // node != r // node) for r, (to, _) in enumerate(ranks))
-        expect = minizero.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
+        expect = cli.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
         assert {"intra": max(intra), "inter": max(inter), "busiest": busiest} == expect, stage
 
 
