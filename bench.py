@@ -47,7 +47,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flight
 import launch
 import minizero
-import ops
 import plots
 from train_gpt import GPT, GPTConfig
 
@@ -379,7 +378,7 @@ def plot(out_dir, quick):
     worlds = range(1, 5 if quick else 9)
     measured = {}
     for n in worlds:
-        for stage, nbytes in enumerate(ops.run_threads(state_bytes, n, gpt_config(cfg))[0]):
+        for stage, nbytes in enumerate(launch.run_threads(state_bytes, n, gpt_config(cfg))[0]):
             measured[stage, n] = nbytes
     os.makedirs(out_dir, exist_ok=True)
     plots.memory_png(plt, os.path.join(out_dir, "memory.png"), meta_params(cfg, cfg.n_layer), torch.bfloat16,
@@ -532,7 +531,7 @@ def overhead(cfg, tiny=True):
                     reps=4 * cfg.reps)  # (ms steps: more reps, for a steady ratio)
     for name, c in {"GPT": cfg, **({"tiny GPT": small} if tiny else {})}.items():
         c = replace(c, world_size=1)
-        times, losses = ops.run_threads(plain_vs_engine, 1, c, device="cuda" if cuda else "cpu")[0]
+        times, losses = launch.run_threads(plain_vs_engine, 1, c, device="cuda" if cuda else "cpu")[0]
         ms, out[name] = medians(times), (paired(times, "minizero", "plain"), paired(times, "minizero cpu", "plain cpu"))
         print(f"  {name} {c.n_layer}x{c.n_embd}, batch {c.batch}x{c.block}, {c.reps} reps of {c.steps} steps: plain "
               f"torch loop{' (bf16 autocast)' if cuda else ''} {ms['plain']:.2f} ms/step, minizero stage 0 at one rank"

@@ -52,7 +52,6 @@ from typing import Optional
 import torch
 
 import launch
-import ops
 import referee as judge  # (check()'s own `referee` is a flag)
 from checkpoint import read_state
 from engine import Engine
@@ -178,7 +177,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
-    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (ops.run_threads)."""
+    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads)."""
     if 0 not in stages:
         stages = (0, *stages)  # everything is compared with stage 0
     S = engine_kw.get("shard_size")  # hybrid sharding: every stage, stage 0 included, at that S
@@ -226,8 +225,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                         runs[s] = _to(launch.run_processes(_rank, n, s, spec, timeout=timeout,
                                                         backend="nccl" if device.type == "cuda" else "gloo"), device)
                     else:
-                        runs[s] = ops.run_threads(_rank, n, s, dict(spec, model=model), device=device,
-                                                  timeout=timeout, strict_p2p=strict_p2p)
+                        runs[s] = launch.run_threads(_rank, n, s, dict(spec, model=model), device=device,
+                                                     timeout=timeout, strict_p2p=strict_p2p)
                 except RuntimeError as e:  # the model (or the engine on it) failed on some rank
                     row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
                     report.rows.append(row)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 import checkpoint
-from minizero import comm_bytes_per_step, link_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
+from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
 from optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
@@ -67,7 +67,8 @@ def main(argv):
 
 
 # -----------------------------------------------------------------------------
-# the planner: minizero.py's formulas as a table
+# the planner: minizero.py's formulas as a table; for hybrid sharding, also the bytes per
+# link (link_bytes_per_step) and the ring model's time
 
 
 def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, optimizer="adamw"):
@@ -113,6 +114,25 @@ class Links(NamedTuple):
     intra: float
     inter: float
     latency: float
+
+
+def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
+                        reduce_dtype=None, shard_size=None):
+    """Payload bytes a node's ranks send in one step, nodes being node_size consecutive
+    ranks -> {"intra": to ranks in the node, "inter": to other nodes, each the most any
+    node sends; "busiest": the most one rank sends to other nodes}. A ring sends each
+    rank's bytes to the next rank of its ring: the shard group's ring for the
+    reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
+    per node sends all it sends across; hybrid with S = node_size, every rank sends only
+    its all-reduce across."""
+    S = shard_size or world_size
+    intra, inter = [0] * world_size, [0] * world_size  # per rank
+    for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
+        for r in range(world_size):
+            right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
+            (inter if right // node_size != r // node_size else intra)[r] += b
+    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
+    return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
 def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, dtype=torch.bfloat16):

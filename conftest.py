@@ -1,7 +1,7 @@
 """Hypothesis profiles: 'ci' (set when CI=true) keeps the whole suite to a few minutes
 on 2 cores; 'dev' is the default; 'thorough' draws many more cases; 'quick' is
 gpu_check.sh's, a few cases inside its time limit. MINIZERO_STRICT_P2P=1 runs every thread
-world under NCCL's point-to-point rules (ops.run_threads(strict_p2p=True)), as gpu_check.sh does.
+world under NCCL's point-to-point rules (launch.run_threads(strict_p2p=True)), as gpu_check.sh does.
 Tests marked `mutations` (the whole mutation list, test_mutations.py) run only when asked
 for: pytest -m mutations."""
 import os
@@ -17,11 +17,11 @@ settings.register_profile("quick", max_examples=20, derandomize=True, **common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 if os.environ.get("MINIZERO_STRICT_P2P") == "1":
-    import ops
+    import launch
 
-    _run_threads = ops.run_threads
-    ops.run_threads = lambda fn, world_size, *args, **kw: _run_threads(fn, world_size, *args,
-                                                                       **{**kw, "strict_p2p": True})
+    _run_threads = launch.run_threads
+    launch.run_threads = lambda fn, world_size, *args, **kw: _run_threads(fn, world_size, *args,
+                                                                          **{**kw, "strict_p2p": True})
 
 
 def pytest_collection_modifyitems(config, items):

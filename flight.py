@@ -37,7 +37,7 @@ KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint"
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
               torch.int32: 6, torch.uint8: 7, torch.bool: 8}
 _CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
-OURS = {f"{m}.py" for m in ("ops", "flight", "engine", "minizero", "offload", "checkpoint")}
+OURS = {f"{m}.py" for m in ("ops", "launch", "flight", "engine", "minizero", "offload", "checkpoint")}
 
 
 def code(kind):

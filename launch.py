@@ -1,13 +1,18 @@
 """
-Starting a world of ranks as processes on torch.distributed (gloo on CPU, nccl on GPU), each
-rank with an ops.ProcessComm; thread ranks, for the tests, are ops.run_threads.
+Starting a world of ranks, each running fn(comm, *args): as threads of this process (the
+tests' world, each rank with an ops.ThreadComm), or as processes on torch.distributed (gloo
+on CPU, nccl on GPU, each rank with an ops.ProcessComm).
 
+    run_threads(fn, world_size, *args)    ranks are threads of this process, on the CPU or
+                                          sharing one GPU (device="cuda"); strict_p2p=True:
+                                          under NCCL's point-to-point rules (nccl_model.py)
     run_processes(fn, world_size, *args)  ranks are local processes this one spawns
     init_from_env()                       ranks started by torchrun, any number of nodes
 
-No rank outlives run_processes, and when a rank fails it names that rank, not the peers
-that gave up on it (DESIGN.md §9).
+No rank outlives run_processes, and when a rank fails both launchers name that rank, not
+the peers that gave up on it (DESIGN.md §9).
 """
+import contextlib
 import ctypes
 import os
 import pickle
@@ -24,8 +29,137 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import flight
+import nccl_model
 import ops
+from flight import PeerFailed, call_site
 
+
+def _check_world_size(world_size):
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1 (the number of ranks); got {world_size!r}")
+
+
+# -----------------------------------------------------------------------------
+# ranks as threads of this process (ops.ThreadComm): the tests' world
+
+class ThreadWorld:
+    """What a world of thread ranks shares: the message queues, the meetings of native
+    collectives, the failure flag and every rank's flight record (each rank's ops.ThreadComm
+    reaches it as comm.world)."""
+
+    def __init__(self, world_size, timeout, device, strict=False):
+        self.world_size, self.timeout, self.device = world_size, timeout, device
+        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
+        self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
+        self.lock = threading.Lock()  # (ranks create meetings on first use)
+        self.failed = threading.Event()
+        self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
+        self.flights = [None] * world_size  # each rank's flight record, read by whoever diagnoses
+
+    def broken(self, rank, reason, stall=False, latch=True):
+        """Raise the diagnosis from every rank's record; latch=True: the world is broken, so
+        every rank's next collective raises (the others wake up through `failed`)."""
+        me = self.flights[rank]
+        me.site = call_site(me.owner)  # (its thread may have ended by the time another rank looks)
+        seq, deadline = me.seq, time.monotonic() + 0.5
+        while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
+            time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
+        snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
+        error = flight.diagnose(snaps, self.world_size, reason, rank, self.timeout if stall else None)
+        if latch:
+            for f in self.flights:
+                if f is not None and f.failed is None:
+                    f.failed = PeerFailed(f"rank {f.rank}: the world broke at another rank (see its error)")
+            self.abort_meetings()
+        raise error
+
+    def meeting(self, ranks):
+        with self.lock:
+            if ranks not in self.meetings:
+                self.meetings[ranks] = ([None] * len(ranks), threading.Barrier(len(ranks)))
+            return self.meetings[ranks]
+
+    def abort(self):
+        self.failed.set()
+        self.abort_meetings()
+
+    def abort_meetings(self):  # wake every rank waiting in a native collective
+        with self.lock:
+            for _, barrier in self.meetings.values():
+                barrier.abort()
+
+
+def _thread_device(device):
+    """The rank threads' device: the CPU by default, or one GPU that every rank shares."""
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device}: this torch sees no CUDA GPU; use device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
+
+
+@contextlib.contextmanager
+def _rank_on(device):
+    """A rank thread's CUDA state, all per thread: the device, a stream of its own, and backward
+    run here (autograd's one worker thread per GPU would run every rank's hooks: one rank's
+    hook waiting there for a collective would block the peers' hooks it waits for)."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)), \
+            torch.autograd.set_multithreading_enabled(False):
+        yield
+        torch.cuda.current_stream(device).synchronize()  # what the rank returns is complete
+
+
+def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=False):
+    """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
+    If a rank raises, the others are woken up and this raises, naming that rank.
+    device="cuda": every rank computes on that one GPU, each on its own stream.
+    strict_p2p=True: point-to-point operations follow NCCL's rules (nccl_model.py), and
+    a deadlock under them raises, naming what each rank is stuck in."""
+    _check_world_size(world_size)
+    device = _thread_device(device)
+    world = ThreadWorld(world_size, timeout, device, strict_p2p)
+    results, errors = [None] * world_size, {}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the caller's tensors are complete before other streams read them
+
+    def main(rank):
+        try:
+            with _rank_on(device):
+                results[rank] = fn(ops.ThreadComm(rank, world), *args)
+        except BaseException as e:
+            errors[rank] = e
+            world.abort()
+        finally:  # (its thread id may go to another thread now)
+            if world.flights[rank] is not None:
+                world.flights[rank].owner = None
+        if world.p2p is not None:
+            world.p2p.finish(rank)
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = None
+    for t in threads:  # once a rank has failed, one stuck outside collectives (stalled) gets 2 s, not forever
+        while t.is_alive() and (deadline is None or time.monotonic() < deadline):
+            t.join(0.05)
+            if errors and deadline is None:
+                deadline = time.monotonic() + 2.0
+    if world.p2p is not None and world.p2p.stuck:
+        raise RuntimeError(world.p2p.stuck)
+    if errors:  # report the rank the diagnosis blames, else the one that failed first-hand, not those that gave up
+        rank = min(errors, key=lambda r: (not hasattr(errors[r], "culprit"), isinstance(errors[r], PeerFailed), r))
+        if hasattr(errors[rank], "culprit"):
+            e = errors[rank]
+            raise RuntimeError(f"rank {e.culprit} failed: {type(e).__name__}: {e}") from e
+        raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+    return results
+
+
+# -----------------------------------------------------------------------------
+# ranks as processes (ops.ProcessComm): spawned here, or started by torchrun
 
 def init_from_env(timeout=300.0, check=None, native=True):
     """For ranks started by torchrun: nccl with one GPU per process if there are GPUs,
@@ -118,7 +252,7 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Tru
     return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed and
     this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
     or any exception kill them all, and they kill themselves if this process dies."""
-    ops._check_world_size(world_size)
+    _check_world_size(world_size)
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
                          f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")

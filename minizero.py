@@ -31,11 +31,9 @@ consecutive ranks (a node) and copied across the R = N/S groups; read N as S abo
 the reduced shard is also all-reduced across the R copies once per step (DESIGN.md §10).
 """
 import dataclasses
-import math
 import resource
 import sys
 from itertools import accumulate, chain
-from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -43,8 +41,6 @@ import torch.nn as nn
 from checkpoint import consolidate, read_checkpoint  # noqa: F401  (minizero.consolidate, for users)
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
 from optimizers import GATHERED, WHOLE, Hyper, runs, state_keys, state_layout, update  # noqa: F401 (for users)
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def __getattr__(name):  # minizero.Engine and minizero.check, imported on first use (they import this file)
@@ -143,25 +139,11 @@ def materialize(named, owners, device, init):
     return out
 
 
-class Place(NamedTuple):
-    """Where a unit's state lives (engine.py decides, from Engine(offload=...))."""
-    state: str = "device"   # the optimizer's master, m, v: "device", "cpu" (host memory) or "disk"
-    params: str = "device"  # stage 3's 16-bit shard: "device" or "cpu"
-    pin: bool = False       # host memory pinned, for fast copies to and from a GPU
-    disk: object = None     # with state "disk": the offload.DiskState that holds them
-    index: int = 0          # the unit's number (its file's name)
-
-    def host(self, t, where):
-        if where != "cpu":
-            return t
-        t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
-        return t.pin_memory() if self.pin else t
-
-
 class Unit:
     """One unit: its parameters flattened into `flat`, padded to a multiple of N, and
     everything this rank keeps for it. What the stage shards is held as chunk r, r this
-    rank's place in `shards` (its shard group: all N ranks, or S of them when hybrid)."""
+    rank's place in `shards` (its shard group: all N ranks, or S of them when hybrid);
+    `place` (offload.Place) says where its state lives."""
 
     def __init__(self, module, named, comm, shards, dtype, sharded, decay, kinds, options, place):
         N, S, r = comm.world_size, shards.world_size, shards.rank
@@ -234,7 +216,7 @@ def check_engine_args(model, stage, dtype, grad_accum):
     """Engine(...) arguments that cannot work: a ValueError naming the fix."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
-    if dtype not in DTYPES:
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
@@ -355,11 +337,8 @@ def tensors(x):
     """Every tensor in x, also inside tuples, lists, dicts and dataclasses (model outputs)."""
     if torch.is_tensor(x):
         yield x
-    elif isinstance(x, (tuple, list)):
-        for y in x:
-            yield from tensors(y)
-    elif isinstance(x, dict):
-        for y in x.values():
+    elif isinstance(x, (tuple, list, dict)):
+        for y in x.values() if isinstance(x, dict) else x:
             yield from tensors(y)
     elif dataclasses.is_dataclass(x) and not isinstance(x, type):
         for f in dataclasses.fields(x):
@@ -480,25 +459,6 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     return {k: v for k, v in out.items() if v}
 
 
-def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
-                        reduce_dtype=None, shard_size=None):
-    """Payload bytes a node's ranks send in one step, nodes being node_size consecutive
-    ranks -> {"intra": to ranks in the node, "inter": to other nodes, each the most any
-    node sends; "busiest": the most one rank sends to other nodes}. A ring sends each
-    rank's bytes to the next rank of its ring: the shard group's ring for the
-    reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
-    per node sends all it sends across; hybrid with S = node_size, every rank sends only
-    its all-reduce across."""
-    S = shard_size or world_size
-    intra, inter = [0] * world_size, [0] * world_size  # per rank
-    for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
-        for r in range(world_size):
-            right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
-            (inter if right // node_size != r // node_size else intra)[r] += b
-    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
-    return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
-
-
 def held_bytes(units, device, sharded, dtype, reduce_dtype, offload=None, offload_params=False):
     """Measured: bytes of model state the units hold on `device` at a step's update, by
     category. Stages 2-3's reduced gradient shards live only from a step's first reduction
@@ -509,10 +469,8 @@ def held_bytes(units, device, sharded, dtype, reduce_dtype, offload=None, offloa
     cpu = device.type == "cpu"
     for u in units:
         params += 0 if cpu and offload_params else _nbytes(device, u.shard if sharded["params"] else u.flat)
-        if not sharded["grads"]:
-            grads += _nbytes(device, u.grad)
-        else:
-            grads += _nbytes(device, u.reduced) if u.reduced is not None else u.shard_size * reduce_dtype.itemsize
+        grad = u.reduced if sharded["grads"] else u.grad
+        grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
         opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(), u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}
 
@@ -527,6 +485,8 @@ def offloaded_held(units, disk, offload=None, offload_params=False):
 def _nbytes(device, *ts):
     """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
     return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
+
+
 def peak_memory(device):
     """Measured peak bytes of this process: CUDA's max allocated on GPU, peak RSS on CPU."""
     if torch.device(device).type == "cuda":

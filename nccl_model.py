@@ -1,6 +1,6 @@
 """
 strict_p2p: a CPU model of NCCL's point-to-point rules, for the thread world
-(ops.run_threads(..., strict_p2p=True)), so that a ring which would hang on NCCL fails
+(launch.run_threads(..., strict_p2p=True)), so that a ring which would hang on NCCL fails
 here, in a test, naming what each rank waits for.
 
     one stream    each rank's exchanges run one at a time, in the order the rank issued
@@ -32,13 +32,15 @@ class Streams:
     """Every rank's one stream of exchanges, as NCCL runs them."""
 
     def __init__(self, world):
-        self.world = world                      # the ThreadWorld: its timeout, `failed`, meetings
+        self.world = world                      # the launch.ThreadWorld: its timeout, `failed`, meetings
         self.queued = [deque() for _ in range(world.world_size)]  # each rank's exchanges, in issue order
         self.finished = [False] * world.world_size  # the rank's thread has returned or raised
         self.stuck = None                       # the deadlock, in words, once found
         self.lock = threading.Condition()       # guards the three above
 
-    def issue(self, x):
+    def issue(self, rank, kind, send, dst, recv, src):
+        """Queue rank's exchange (send to dst, receive into recv from src) on its stream."""
+        x = Exchange(rank, kind, send, dst, recv, src)
         for t in (x.send, x.recv):  # (a host tensor, say a shard offloaded to the host)
             if t is not None and t.device != self.world.device:
                 raise ValueError(f"rank {x.rank}: {x} has a tensor on {t.device}, but the ranks work on "

@@ -20,11 +20,12 @@ import os
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
 from launch import remove_at_end
-from minizero import Place, gather_whole, share_params
+from minizero import gather_whole, share_params
 from ops import all_gather
 from optimizers import runs, update
 
@@ -45,8 +46,23 @@ def check_offload(stage, offload, offload_dir, offload_params):
                          "state should live on (AdamW needs 24 bytes per parameter / world size)")
 
 
+class Place(NamedTuple):
+    """Where a unit's state lives (engine.py decides, from Engine(offload=...))."""
+    state: str = "device"   # the optimizer's master, m, v: "device", "cpu" (host memory) or "disk"
+    params: str = "device"  # stage 3's 16-bit shard: "device" or "cpu"
+    pin: bool = False       # host memory pinned, for fast copies to and from a GPU
+    disk: object = None     # with state "disk": the DiskState that holds them
+    index: int = 0          # the unit's number (its file's name)
+
+    def host(self, t, where):
+        if where != "cpu":
+            return t
+        t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
+        return t.pin_memory() if self.pin else t
+
+
 def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
-    """Where the units' state lives (minizero.Place), its disk files made if on disk. On a
+    """Where the units' state lives (a Place), its disk files made if on disk. On a
     CPU run, offload to "cpu" frees nothing: say so once, and run the host path anyway
     (separate copies, the same arithmetic as on a GPU: so it is tested on CPUs)."""
     if device.type == "cpu" and (offload == "cpu" or offload_params):

@@ -1,7 +1,7 @@
 """
 The communication layer of minizero: a communicator whose one point-to-point operation
-is an exchange (send to one rank and receive from another, as one group), the ring
-collectives written on it, and a world of thread ranks (launch.py starts process ranks).
+is an exchange (send to one rank and receive from another, as one group), and the ring
+collectives written on it (launch.py starts the ranks).
 
     reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
     all_gather(shard) -> full       every rank ends with every rank's chunk
@@ -16,12 +16,11 @@ bit-identical to DDP, so the ring is the default; `comm.native = True` swaps in 
 own collectives (NCCL on GPU), which sum in an order of their own.
 
 Two transports run the same ring code:
-    run_threads(fn, world_size, *args)    ranks are threads of this process (tests), on the
-                                          CPU or sharing one GPU (device="cuda")
-    ProcessComm                           ranks are processes on gloo or nccl (launch.py:
-                                          run_processes, or init_from_env under torchrun)
+    ThreadComm     ranks are threads of this process (tests; launch.py: run_threads), on
+                   the CPU or sharing one GPU (device="cuda")
+    ProcessComm    ranks are processes on gloo or nccl (launch.py: run_processes, or
+                   init_from_env under torchrun)
 """
-import contextlib
 import functools
 import hashlib
 import queue
@@ -35,17 +34,11 @@ import torch
 import torch.distributed as dist
 
 import flight
-import nccl_model
-from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed, call_site  # noqa: F401
+from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed  # noqa: F401
 
 
 def _describe(kind, t):  # at most 64 characters: it travels as the processes' header
     return f"{kind} of {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"[:64]
-
-
-def _check_world_size(world_size):
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1 (the number of ranks); got {world_size!r}")
 
 
 def _expect(rank, kind, t, src, got):
@@ -71,8 +64,8 @@ def _halves(kind, send, dst, recv, src):
 
 
 # -----------------------------------------------------------------------------
-# transport 1: threads in one process. Messages travel through one queue per
-# (src, dst) pair; a header rides along so mismatched collectives are caught.
+# transport 1: threads in one process (their world: launch.ThreadWorld). Messages travel
+# through one queue per (src, dst) pair; a header rides along so mismatched collectives are caught.
 # On a GPU each rank thread computes on a CUDA stream of its own, so a message also
 # carries an event: the receiver's stream waits for it before it reads the payload.
 # With strict_p2p=True they follow NCCL's rules instead (nccl_model.py).
@@ -97,7 +90,7 @@ class ThreadComm:
         if send is not None:
             _book(self, kind, dst, send.numel() * send.element_size())
         if self.world.p2p is not None:
-            return self.world.p2p.issue(nccl_model.Exchange(self.rank, kind, send, dst, recv, src))
+            return self.world.p2p.issue(self.rank, kind, send, dst, recv, src)
         if send is not None:  # queues never block: the send is done at once
             payload = send.detach().clone()
             self.world.queues[self.rank, dst].put((kind, payload, _made(payload), self.flight.tag))
@@ -149,7 +142,7 @@ class ThreadComm:
         self._barrier(barrier)  # nobody may reuse its slot until everyone has read it
         return out
 
-    def make_groups(self, rank_lists):  # thread ranks meet in any group on first use (ThreadWorld.meeting)
+    def make_groups(self, rank_lists):  # thread ranks meet in any group on first use (launch.ThreadWorld.meeting)
         pass
 
     def _barrier(self, barrier):
@@ -178,117 +171,6 @@ def _made(t):
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
     return event
-
-
-class ThreadWorld:
-    def __init__(self, world_size, timeout, device, strict=False):
-        self.world_size, self.timeout, self.device = world_size, timeout, device
-        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
-        self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
-        self.lock = threading.Lock()  # (ranks create meetings on first use)
-        self.failed = threading.Event()
-        self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
-        self.flights = [None] * world_size  # each rank's flight record, read by whoever diagnoses
-
-    def broken(self, rank, reason, stall=False, latch=True):
-        """Raise the diagnosis from every rank's record; latch=True: the world is broken, so
-        every rank's next collective raises (the others wake up through `failed`)."""
-        me = self.flights[rank]
-        me.site = call_site(me.owner)  # (its thread may have ended by the time another rank looks)
-        seq, deadline = me.seq, time.monotonic() + 0.5
-        while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
-            time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
-        snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
-        error = flight.diagnose(snaps, self.world_size, reason, rank, self.timeout if stall else None)
-        if latch:
-            for f in self.flights:
-                if f is not None and f.failed is None:
-                    f.failed = PeerFailed(f"rank {f.rank}: the world broke at another rank (see its error)")
-            self.abort_meetings()
-        raise error
-
-    def meeting(self, ranks):
-        with self.lock:
-            if ranks not in self.meetings:
-                self.meetings[ranks] = ([None] * len(ranks), threading.Barrier(len(ranks)))
-            return self.meetings[ranks]
-
-    def abort(self):
-        self.failed.set()
-        self.abort_meetings()
-
-    def abort_meetings(self):  # wake every rank waiting in a native collective
-        with self.lock:
-            for _, barrier in self.meetings.values():
-                barrier.abort()
-
-
-def _thread_device(device):
-    """The rank threads' device: the CPU by default, or one GPU that every rank shares."""
-    device = torch.device(device or "cpu")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device}: this torch sees no CUDA GPU; use device='cpu'")
-    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
-
-
-@contextlib.contextmanager
-def _rank_on(device):
-    """A rank thread's CUDA state, all per thread: the device, a stream of its own, and backward
-    run here (autograd's one worker thread per GPU would run every rank's hooks: one rank's
-    hook waiting there for a collective would block the peers' hooks it waits for)."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.device(device), torch.cuda.stream(torch.cuda.Stream(device)), \
-            torch.autograd.set_multithreading_enabled(False):
-        yield
-        torch.cuda.current_stream(device).synchronize()  # what the rank returns is complete
-
-
-def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=False):
-    """Run fn(comm, *args) on world_size threads; return [result of rank 0, 1, ...].
-    If a rank raises, the others are woken up and this raises, naming that rank.
-    device="cuda": every rank computes on that one GPU, each on its own stream.
-    strict_p2p=True: point-to-point operations follow NCCL's rules (nccl_model.py), and
-    a deadlock under them raises, naming what each rank is stuck in."""
-    _check_world_size(world_size)
-    device = _thread_device(device)
-    world = ThreadWorld(world_size, timeout, device, strict_p2p)
-    results, errors = [None] * world_size, {}
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the caller's tensors are complete before other streams read them
-
-    def main(rank):
-        try:
-            with _rank_on(device):
-                results[rank] = fn(ThreadComm(rank, world), *args)
-        except BaseException as e:
-            errors[rank] = e
-            world.abort()
-        finally:  # (its thread id may go to another thread now)
-            if world.flights[rank] is not None:
-                world.flights[rank].owner = None
-        if world.p2p is not None:
-            world.p2p.finish(rank)
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
-    for t in threads:
-        t.start()
-    deadline = None
-    for t in threads:  # once a rank has failed, one stuck outside collectives (stalled) gets 2 s, not forever
-        while t.is_alive() and (deadline is None or time.monotonic() < deadline):
-            t.join(0.05)
-            if errors and deadline is None:
-                deadline = time.monotonic() + 2.0
-    if world.p2p is not None and world.p2p.stuck:
-        raise RuntimeError(world.p2p.stuck)
-    if errors:  # report the rank the diagnosis blames, else the one that failed first-hand, not those that gave up
-        rank = min(errors, key=lambda r: (not hasattr(errors[r], "culprit"), isinstance(errors[r], PeerFailed), r))
-        if hasattr(errors[rank], "culprit"):
-            e = errors[rank]
-            raise RuntimeError(f"rank {e.culprit} failed: {type(e).__name__}: {e}") from e
-        raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
-    return results
 
 
 # -----------------------------------------------------------------------------

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 import cli
 import checkpoint
+import launch
 import minizero
-import ops
 from test_equivalence import DTYPES, FIXED, Net, assert_same, make
 
 torch.set_num_threads(1)
@@ -66,8 +66,8 @@ def test_resume_equals_uninterrupted(tmp_path_factory, stage, world_size, before
     path = str(tmp_path_factory.mktemp("ckpt"))
     c = case(dtype, grad_accum, before + after, world_size, optimizer)
     model, batches = make(c)
-    whole = ops.run_threads(train, world_size, stage, model, batches, c["engine"], before - 1, None, path)
-    resumed = ops.run_threads(train, world_size, stage, model, batches[before:], c["engine"], None, True, path)
+    whole = launch.run_threads(train, world_size, stage, model, batches, c["engine"], before - 1, None, path)
+    resumed = launch.run_threads(train, world_size, stage, model, batches[before:], c["engine"], None, True, path)
     for rank in range(world_size):
         for a, b in zip(whole[rank][before:], resumed[rank]):
             assert_same(a, b)
@@ -86,7 +86,7 @@ def test_reshard_to_another_world_size_and_stage(tmp_path_factory, stage, world_
     first, second = str(tmp_path_factory.mktemp("a")), str(tmp_path_factory.mktemp("b"))
     c = case(dtype, steps=2, world_size=world_size, optimizer=optimizer)
     model, batches = make(c)
-    saved = ops.run_threads(train, world_size, stage, model, batches, c["engine"], 1, None, first)[0][-1]
+    saved = launch.run_threads(train, world_size, stage, model, batches, c["engine"], 1, None, first)[0][-1]
     # load at M ranks and stage t, save again before any step: the same logical state
     def reload(comm):
         engine = minizero.Engine(copy.deepcopy(model), comm, new_stage, **c["engine"])
@@ -94,11 +94,11 @@ def test_reshard_to_another_world_size_and_stage(tmp_path_factory, stage, world_
         state = engine.full_state_dict()
         engine.save_checkpoint(second)
         return state
-    assert_same(ops.run_threads(reload, new_world_size)[new_world_size - 1], saved)
+    assert_same(launch.run_threads(reload, new_world_size)[new_world_size - 1], saved)
     a, b = logical(first), logical(second)
     assert a.keys() == b.keys() and all(assert_same(a[n], b[n]) is None for n in a)
     # go on training at M ranks: stage t equals stage 0
-    go = {s: ops.run_threads(train, new_world_size, s, model, batches, c["engine"], None, True, first)
+    go = {s: launch.run_threads(train, new_world_size, s, model, batches, c["engine"], None, True, first)
           for s in {0, new_stage}}
     for x, y in zip(go[new_stage][-1], go[0][0]):
         assert_same(x, y)
@@ -109,7 +109,7 @@ def test_consolidate_equals_full_state_dict_and_loads(tmp_path, stage):
     c = dict(case("bf16"), frozen=0)
     model, batches = make(c)
     model.register_buffer("counter", torch.tensor([7]))
-    states = ops.run_threads(train, 3, stage, model, batches, c["engine"], 3, None, str(tmp_path))
+    states = launch.run_threads(train, 3, stage, model, batches, c["engine"], 3, None, str(tmp_path))
     cli.main(["consolidate", str(tmp_path), str(tmp_path / "model.pt")])
     state = torch.load(tmp_path / "model.pt")
     assert list(state) == list(model.state_dict())
@@ -127,7 +127,7 @@ def test_consolidate_equals_full_state_dict_and_loads(tmp_path, stage):
 def saved(tmp_path):
     c = case("fp32", steps=2)
     model, batches = make(c)
-    states = ops.run_threads(train, 3, 2, model, batches, c["engine"], 0, None, str(tmp_path))
+    states = launch.run_threads(train, 3, 2, model, batches, c["engine"], 0, None, str(tmp_path))
     return str(tmp_path), c, model, batches, states
 
 
@@ -136,7 +136,7 @@ def load_into(model, c, path, stage=2, world_size=3):
         engine = minizero.Engine(copy.deepcopy(model), comm, stage, **c["engine"])
         engine.load_checkpoint(path)
         return engine.full_state_dict()
-    return ops.run_threads(body, world_size)[0]
+    return launch.run_threads(body, world_size)[0]
 
 
 def shard_files(path):
@@ -152,7 +152,7 @@ def test_checkpoint_of_another_optimizer(saved):
             load_into(model, dict(c, engine=dict(c["engine"], **other)), path)
     sgd = str(os.path.join(path, "sgd"))
     c_sgd = dict(c, engine=dict(c["engine"], optimizer="sgd", momentum=0.9))
-    ops.run_threads(train, 3, 2, model, saved[3][:1], c_sgd["engine"], 0, None, sgd)
+    launch.run_threads(train, 3, 2, model, saved[3][:1], c_sgd["engine"], 0, None, sgd)
     with pytest.raises(RuntimeError, match="by sgd with state \\['momentum_buffer'\\] there, and by sgd with \\[\\] here"):
         load_into(model, dict(c, engine=dict(c["engine"], optimizer="sgd")), sgd)  # momentum 0: no buffer
 
@@ -198,7 +198,7 @@ def test_nothing_half_loaded(saved):
             engine.load_checkpoint(path)
         assert_same(engine.full_state_dict(), before)
         return engine.t
-    assert ops.run_threads(body, 3) == [0, 0, 0]
+    assert launch.run_threads(body, 3) == [0, 0, 0]
 
 
 @pytest.mark.parametrize("dies_at", ["shard", "manifest"])
@@ -215,7 +215,7 @@ def test_interrupted_save_keeps_previous_checkpoint(saved, monkeypatch, dies_at)
         return real(p, obj)
     monkeypatch.setattr(checkpoint, "write_atomic", dying)
     with pytest.raises(RuntimeError, match="disk full|could not write their shard"):
-        ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+        launch.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
     monkeypatch.setattr(checkpoint, "write_atomic", real)
     assert_same(load_into(model, c, path), states[0][0])
 
@@ -266,7 +266,7 @@ def test_damaged_manifest_is_named_and_nothing_is_loaded(saved, damage):
             engine.load_checkpoint(path)
         assert_same(engine.full_state_dict(), before)
         return engine.t, engine.scale
-    assert ops.run_threads(body, 3) == [(0, 1.0)] * 3
+    assert launch.run_threads(body, 3) == [(0, 1.0)] * 3
 
 
 def test_format_1_loads_with_every_parameter_at_the_step(saved):
@@ -282,7 +282,7 @@ def test_format_1_loads_with_every_parameter_at_the_step(saved):
         engine = minizero.Engine(copy.deepcopy(model), comm, 1, **c["engine"])
         engine.load_checkpoint(path)
         return {t for u in engine.units for t in u.steps}
-    assert ops.run_threads(body, 3) == [{1}] * 3
+    assert launch.run_threads(body, 3) == [{1}] * 3
 
 
 def test_manifest_that_is_not_json(saved):
@@ -310,11 +310,11 @@ def test_failed_save_leaves_no_files_and_the_next_save_succeeds(saved, monkeypat
         else "rank\\(s\\) \\[1\\] could not write their shard"
     with pytest.raises(RuntimeError, match=f"^rank {0 if fails_at == 'manifest.json' else 1} failed: "
                                            f"RuntimeError: checkpoint not saved: {says}.*No space left on device"):
-        ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+        launch.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
     assert sorted(os.listdir(path)) == before
     assert_same(load_into(model, c, path), states[0][0])
     monkeypatch.setattr(os, "replace", real)
-    again = ops.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
+    again = launch.run_threads(train, 3, 2, model, batches, c["engine"], 1, None, path)
     assert_same(load_into(model, c, path), again[0][1])
     assert len(shard_files(path)) == 3 and not [f for f in os.listdir(path) if f.endswith(".tmp")]
 
@@ -345,12 +345,13 @@ def _everything(comm, stage, model, batches, kw, path):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_strict_p2p_gives_the_same_bits(tmp_path, stage):
-    """Under NCCL's point-to-point rules (ops.run_threads(strict_p2p=True)) every collective
+    """Under NCCL's point-to-point rules (launch.run_threads(strict_p2p=True)) every collective
     the engine makes pairs up, and gives the same bits as in the default thread world."""
     c = case("bf16", grad_accum=2, steps=3)
     model, batches = make(c)
     kw = dict(c["engine"], overlap=True)
-    runs = [ops.run_threads(_everything, 3, stage, model, batches, kw, str(tmp_path / str(strict)), strict_p2p=strict)
+    runs = [launch.run_threads(_everything, 3, stage, model, batches, kw, str(tmp_path / str(strict)),
+                               strict_p2p=strict)
             for strict in (False, True)]
     for a, b in zip(*runs):
         for (state_a, norm_a), (state_b, norm_b) in zip(a, b):

@@ -255,7 +255,7 @@ def test_collectives_see_what_the_sender_made(native):
                                   ops.all_reduce(x, comm), ops.broadcast(x.clone(), comm, src=1))]
     base = torch.arange(size, dtype=torch.float32) % 7
     total = n * base + sum(range(n))
-    for rank, (shard, gathered, reduced, sent) in enumerate(ops.run_threads(fn, n, device=DEVICE)):
+    for rank, (shard, gathered, reduced, sent) in enumerate(launch.run_threads(fn, n, device=DEVICE)):
         assert torch.equal(shard, total.view(n, -1)[rank])
         assert torch.equal(gathered, torch.cat([base[:size // n] + r for r in range(n)]))
         assert torch.equal(reduced, total) and torch.equal(sent, base + 1)
@@ -315,7 +315,7 @@ def gloo_results():
 @on_gloo
 def test_processes_equal_threads_bit_for_bit(gloo_results):
     for i, c in enumerate(FIXED):
-        threads = {s: ops.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
+        threads = {s: launch.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
         for rank, (ours, _) in enumerate(gloo_results):
             for s in range(4):
                 for a, b in zip(ours[i][s]["hist"], threads[s][rank]["hist"]):
@@ -337,7 +337,7 @@ def test_ddp_matches_torch_ddp_on_gloo(gloo_results):
 
 
 def one_rank(fn):
-    return ops.run_threads(lambda comm: fn(comm), 1)[0]
+    return launch.run_threads(lambda comm: fn(comm), 1)[0]
 
 
 def test_bad_stage():
@@ -359,7 +359,7 @@ def test_meta_parameters_without_init():
 
 def test_model_on_another_device_than_the_ranks():
     with pytest.raises(RuntimeError, match="the model is on cpu, but this rank's communicator works on meta"):
-        ops.run_threads(lambda comm: minizero.Engine(Net(3, [2, 2]), comm, 0), 1, device=torch.device("meta"))
+        launch.run_threads(lambda comm: minizero.Engine(Net(3, [2, 2]), comm, 0), 1, device=torch.device("meta"))
 
 
 def test_unit_list_that_misses_or_repeats():
@@ -378,7 +378,7 @@ def test_tie_across_units():
     model, batches = make(c)
     model.layers[1].weight = model.layers[0].weight
     with pytest.raises(RuntimeError, match="layers.0.weight and layers.1.weight"):
-        ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3), 2)
+        launch.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, 3), 2)
     report = minizero.check(lambda: model, lambda s, r, m: batches[s][m][r], world_sizes=(2,), stages=(0, 1, 2),
                             steps=2, device=DEVICE, **c["engine"])
     assert report.ok, f"\n{report}"
@@ -411,7 +411,7 @@ def test_full_state_dict_loads_strictly():
             engine.backward(m(*micro[comm.rank]))
         engine.step()
         return engine.full_state_dict()
-    state = ops.run_threads(body, 3)[0]
+    state = launch.run_threads(body, 3)[0]
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(state, strict=True)
     assert torch.equal(fresh.head.weight, fresh.emb.weight)            # tie survives

@@ -120,7 +120,7 @@ def test_a_closed_connection_is_second_hand():
 
 @pytest.mark.parametrize("world_size", [0, -1])
 def test_world_size_below_one(world_size):
-    for run in (ops.run_threads, launch.run_processes):
+    for run in (launch.run_threads, launch.run_processes):
         with pytest.raises(ValueError, match=f"world_size must be at least 1 .*; got {world_size}"):
             run(lambda comm: None, world_size)
 
@@ -184,7 +184,7 @@ def test_train_gpt_user_errors_are_one_line(capsys, files, argv, says):
 
 def test_resume_past_the_last_step(tmp_path, capsys, files):
     small = dict(n_layer=1, n_head=1, n_embd=8, block_size=8, batch_size=2, eval_iters=1, sample_tokens=1)
-    ops.run_threads(tg.train, 1, {**small, "steps": 2, "eval_interval": 2, "out_dir": str(tmp_path)})
+    launch.run_threads(tg.train, 1, {**small, "steps": 2, "eval_interval": 2, "out_dir": str(tmp_path)})
     capsys.readouterr()
     for steps in (2, 1):
         err = one_line_error(capsys, tg.main, ["--resume", "--out-dir", str(tmp_path), "--steps", str(steps)],

@@ -59,7 +59,7 @@ def assert_names_the_eval(message, world_size):
 
 def test_a_forward_on_one_rank_is_named_on_threads():
     with pytest.raises(RuntimeError) as info:
-        ops.run_threads(stage3, 3, "eval", timeout=10.0)
+        launch.run_threads(stage3, 3, "eval", timeout=10.0)
     assert str(info.value).startswith("rank 0 failed: CollectiveMismatch")
     assert_names_the_eval(str(info.value), 3)
     assert isinstance(info.value.__cause__, ops.CollectiveMismatch) and info.value.__cause__.culprit == 0
@@ -68,7 +68,7 @@ def test_a_forward_on_one_rank_is_named_on_threads():
 def test_a_rank_that_never_arrives_is_named_on_threads():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        ops.run_threads(stage3, 3, "stall", timeout=1.0)
+        launch.run_threads(stage3, 3, "stall", timeout=1.0)
     message = str(info.value)
     assert time.monotonic() - t0 < 5.0  # the timeout, the snapshot, 2 s for the sleeper: not its 6 s
     assert message.startswith("rank 1 failed: CollectiveStall: rank 1 never arrived at collective #")
@@ -83,7 +83,7 @@ def test_a_mismatch_stops_before_the_payload_on_threads():
         comm.flight.ctx = ("gradient reduction" if comm.rank else "forward gather", 1, 0, 0, True)
         return ops.all_gather(torch.ones(3), comm)
     with pytest.raises(RuntimeError, match="rank 0: in #0 all_gather of 3 float32, unit 1, forward gather"):
-        ops.run_threads(fn, 2)
+        launch.run_threads(fn, 2)
 
 
 def test_a_forward_on_one_rank_is_named_on_gloo():
@@ -158,7 +158,7 @@ def traced(comm, path):
 
 
 def test_trace_is_a_chrome_trace_per_rank(tmp_path):
-    units, records = ops.run_threads(traced, 2, str(tmp_path))[0]
+    units, records = launch.run_threads(traced, 2, str(tmp_path))[0]
     assert {p.name for p in tmp_path.iterdir()} == {"rank0.json", "rank1.json"}
     events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
     spans = [e for e in events if e["ph"] == "X"]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import engine
-import ops
+import launch
 from minizero import Engine
 from train_gpt import GPT, GPTConfig
 
@@ -71,7 +71,7 @@ def test_one_host_read_per_step_and_none_in_backward(world_size, case):
     steps = 3
     for stage in (0, 1, 2, 3):
         with recorded() as (counts, phase):
-            ops.run_threads(train, world_size, stage, CASES[case], steps, phase, device=DEVICE)
+            launch.run_threads(train, world_size, stage, CASES[case], steps, phase, device=DEVICE)
         assert counts["step"] == world_size * steps, (stage, counts)
         assert counts["forward"] + counts["backward"] + counts["comm"] == 0, (stage, counts)
 
@@ -81,6 +81,6 @@ def test_the_recorder_sees_a_read_in_a_reduction(monkeypatch):
     real = engine.ddp_reduce
     monkeypatch.setattr(engine, "ddp_reduce", lambda local, *a: (local.sum().item(), real(local, *a))[1])
     with recorded() as (counts, phase):
-        ops.run_threads(train, 2, 0, {}, 2, phase, device=DEVICE)
+        launch.run_threads(train, 2, 0, {}, 2, phase, device=DEVICE)
     assert counts["comm"] == 2 * 2 * 3, counts  # two ranks, two steps, three units
     assert counts["step"] == 2 * 2, counts

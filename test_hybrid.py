@@ -49,12 +49,12 @@ def test_shard_size_of_the_whole_world_is_plain_zero():
     def body(comm):
         shards, replicas = ops.split(comm, comm.world_size)
         return shards is comm and replicas.world_size == 1
-    assert all(ops.run_threads(body, 3))
+    assert all(launch.run_threads(body, 3))
 
 
 def test_a_shard_size_that_does_not_divide_the_world():
     with pytest.raises(RuntimeError, match=r"shard_size must divide the world size 6 .* use one of \[1, 2, 3, 6\]"):
-        ops.run_threads(lambda comm: minizero.Engine(Net(3, [2, 2]), comm, 1, shard_size=4), 6)
+        launch.run_threads(lambda comm: minizero.Engine(Net(3, [2, 2]), comm, 1, shard_size=4), 6)
     with pytest.raises(ValueError, match=r"shard_size=2 must divide every world size.*world_sizes=\(2, 4\)"):
         minizero.check(lambda: Net(3, [2, 2]), lambda s, r, m: None, world_sizes=(1, 2), shard_size=2)
 
@@ -102,7 +102,7 @@ def test_gathered_params_are_whole_and_writable_on_every_copy():
             if comm.rank == 0:
                 model.head.weight.data.fill_(comm.rank + 2.0)
         return whole, e.full_state_dict()["head.weight"]
-    ranks = ops.run_threads(body, 4)
+    ranks = launch.run_threads(body, 4)
     for whole, after in ranks:
         assert torch.equal(whole, make(BUG)[0].head.weight.detach()) and bool((after == 2.0).all())
 
@@ -129,7 +129,7 @@ def test_bytes_inside_and_across_nodes_are_the_formulas(N, S, node):
     c = dict(FIXED[1], world_size=N, grad_accum=2)
     c["engine"] = dict(FIXED[1]["engine"], clip=None, grad_accum=2, shard_size=S)
     for stage in range(4):
-        ranks = ops.run_threads(one_step, N, stage, c)
+        ranks = launch.run_threads(one_step, N, stage, c)
         numel = ranks[0][1]
         intra, inter = [], []  # per node: what its ranks sent inside it and to other nodes
         for first in range(0, N, node):
@@ -137,7 +137,7 @@ def test_bytes_inside_and_across_nodes_are_the_formulas(N, S, node):
             intra.append(sum(b for r, peer, b in sent if peer // node == r // node))
             inter.append(sum(b for r, peer, b in sent if peer // node != r // node))
         busiest = max(sum(b for peer, b in to.items() if peer // node != r // node) for r, (to, _) in enumerate(ranks))
-        expect = minizero.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
+        expect = cli.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
         assert {"intra": max(intra), "inter": max(inter), "busiest": busiest} == expect, stage
 
 
@@ -155,7 +155,7 @@ def test_checkpoints_move_between_meshes(tmp_path, saved_at, loaded_at):
     c = case("bf16", steps=2, world_size=max(n, n2))
     model, batches = make(c)
     kw = lambda S: dict(c["engine"], shard_size=S)  # noqa: E731
-    saved = ops.run_threads(train, n, stage, model, batches, kw(s), 1, None, first)[0][-1]
+    saved = launch.run_threads(train, n, stage, model, batches, kw(s), 1, None, first)[0][-1]
 
     def reload(comm):
         e = minizero.Engine(copy.deepcopy(model), comm, stage2, **kw(s2))
@@ -163,11 +163,11 @@ def test_checkpoints_move_between_meshes(tmp_path, saved_at, loaded_at):
         state = e.full_state_dict()
         e.save_checkpoint(second)
         return state
-    for state in ops.run_threads(reload, n2):
+    for state in launch.run_threads(reload, n2):
         assert_same(state, saved)
     a, b = logical(first), logical(second)
     assert a.keys() == b.keys() and all(assert_same(a[k], b[k]) is None for k in a)
-    go = {t: ops.run_threads(train, n2, t, model, batches, kw(s2), None, True, first) for t in {0, stage2}}
+    go = {t: launch.run_threads(train, n2, t, model, batches, kw(s2), None, True, first) for t in {0, stage2}}
     for x, y in zip(go[stage2][-1], go[0][0]):
         assert_same(x, y)
 
@@ -195,7 +195,7 @@ def _spec(c, **kw):
 @on_gloo
 def test_processes_at_a_shard_size():
     results = launch.run_processes(gloo_world, 4)
-    threads = [ops.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
+    threads = [launch.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
     for rank, (ring, native) in enumerate(results):
         for i in range(2):
             for a, b in zip(ring[i]["hist"], threads[i][rank]["hist"]):

@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
 import launch
-import ops
 from check import _perturb
 
 torch.set_num_threads(1)
@@ -127,7 +126,7 @@ def test_a_block_applied_twice():
 
 def test_reentrant_regions_sharing_a_block_is_a_clear_error():
     with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        ops.run_threads(_train_one, 2, 3, dict(twice=True, ckpt="reentrant"))
+        launch.run_threads(_train_one, 2, 3, dict(twice=True, ckpt="reentrant"))
 
 
 def _train_one(comm, stage, model_kw, engine_kw=None, steps=1, poison=None, route=None):
@@ -162,8 +161,8 @@ def test_parameters_skipped_on_some_steps_and_ranks():
     # stage 3 gathers what a rank's forward runs: the experts share the root's unit here
     report = check(dict(experts=3), dict(route=experts_route), grad_accum=2, units=lambda m: [m, *m.blocks])
     assert report.ok, report
-    ranks = ops.run_threads(_train_one, 3, 2, dict(experts=3), dict(grad_accum=2, lr=0.02, weight_decay=0.1),
-                            2, None, experts_route)
+    ranks = launch.run_threads(_train_one, 3, 2, dict(experts=3), dict(grad_accum=2, lr=0.02, weight_decay=0.1),
+                               2, None, experts_route)
     (_, first, _, _), (_, second, steps, _) = ranks[0]
     assert torch.equal(first["experts.2.weight"], build(experts=3).experts[2].weight.detach())  # no decay either
     assert not torch.equal(second["experts.2.weight"], first["experts.2.weight"])
@@ -186,7 +185,7 @@ def test_stage3_prefetches_the_next_unit_of_the_first_pass():
             engine.backward(model(**batch(step, comm.rank, 0)).loss)
             engine.step()
         return seen[3:], [[u.index for u in order] for order in (engine.fwd_order, engine.bwd_order)]
-    for seen, orders in ops.run_threads(body, 2):
+    for seen, orders in launch.run_threads(body, 2):
         assert seen == [(0, [0, 1, 2]), (1, [0, 2, 3]), (2, [0, 3])]
         assert orders == [[0, 1, 2, 3], [0, 3, 2, 1]]  # backward's own order: the root's loss first, then the blocks
 
@@ -197,7 +196,7 @@ def test_stage3_units_that_only_some_ranks_run_are_a_clear_error():
     with pytest.raises(RuntimeError, match=r"(?s)CollectiveMismatch.*rank 0: in #\d+ all_gather .* unit 4, forward "
                                            r"gather.*rank 1: in #\d+ all_gather .* unit 5.*a module only some ranks "
                                            r"run \(an MoE expert: at stage 3 it must share a unit"):
-        ops.run_threads(_train_one, 3, 3, dict(experts=3), {}, 1, None, experts_route)
+        launch.run_threads(_train_one, 3, 3, dict(experts=3), {}, 1, None, experts_route)
 
 
 @pytest.mark.parametrize("stage", [0, 3])
@@ -205,13 +204,13 @@ def test_stage3_units_that_only_some_ranks_run_are_a_clear_error():
 def test_a_nan_on_one_rank_skips_the_step_everywhere(stage, dtype):
     kw = dict(dtype=dtype, lr=0.02, weight_decay=0.1)
     with pytest.warns(UserWarning, match=r"step 2 skipped on every rank: non-finite gradients on rank\(s\) \[1\]"):
-        ranks = ops.run_threads(_train_one, 3, stage, {}, kw, 3, (1, 1))
+        ranks = launch.run_threads(_train_one, 3, stage, {}, kw, 3, (1, 1))
     for (ok0, s0, t0, _), (ok1, s1, t1, k1), (ok2, s2, t2, k2) in ranks:
         assert (ok0, ok1, ok2) == (True, False, True) and (k1, k2) == (1, 1)
         assert all(torch.equal(s0[n], s1[n]) for n in s0) and t0 == t1  # nothing moved, not even t
         assert all(x == 2 for u in t2 for x in u)
     with pytest.raises(RuntimeError, match="2 steps in a row skipped"):
-        ops.run_threads(_nan_every_step, 2, stage, dict(kw, skip_limit=2))
+        launch.run_threads(_nan_every_step, 2, stage, dict(kw, skip_limit=2))
 
 
 def test_skips_not_in_a_row_never_reach_the_limit():
@@ -226,7 +225,7 @@ def test_skips_not_in_a_row_never_reach_the_limit():
             engine.step()
         return engine.skipped, engine.t
     with pytest.warns(UserWarning, match="skipped on every rank"):
-        assert ops.run_threads(body, 2) == [(3, 3)] * 2
+        assert launch.run_threads(body, 2) == [(3, 3)] * 2
 
 
 def _nan_every_step(comm, stage, kw):
@@ -263,7 +262,7 @@ def test_stage3_parameter_reads_raise_a_clear_error_never_a_segfault():
         full = engine.full_state_dict()
         assert all(torch.equal(sd[k].float(), full[k]) for k in sd)
         return errors
-    for errors in ops.run_threads(body, 2):
+    for errors in launch.run_threads(body, 2):
         assert all("engine.gathered()" in e and "engine.full_state_dict()" in e for e in errors)
 
 
@@ -281,12 +280,12 @@ def test_a_loss_that_reads_parameters(stage):
             engine.backward(loss)
             engine.step()
         return engine.full_state_dict()
-    ref = ops.run_threads(body, 2, 0, False)[0]
-    got = ops.run_threads(body, 2, stage, True)[0]
+    ref = launch.run_threads(body, 2, 0, False)[0]
+    got = launch.run_threads(body, 2, stage, True)[0]
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     if stage == 3:
         with pytest.raises(RuntimeError, match="gathered"):
-            ops.run_threads(body, 2, 3, False)
+            launch.run_threads(body, 2, 3, False)
 
 
 def test_gathered_writable_takes_rank_0s_weights_into_the_master():
@@ -300,7 +299,7 @@ def test_gathered_writable_takes_rank_0s_weights_into_the_master():
             model.load_state_dict(new)
         return engine.full_state_dict()
     for stage in (0, 2, 3):
-        for state in ops.run_threads(body, 3, stage):
+        for state in launch.run_threads(body, 3, stage):
             assert all(torch.equal(v, torch.full_like(v, 0.25)) for v in state.values())  # rank 0 won
 
 
@@ -318,7 +317,7 @@ def test_the_model_after_its_engine_is_gone(stage):
         with pytest.raises(RuntimeError, match="Engine is gone"):
             model2(**batch(0, 0, 0))
         return True
-    assert ops.run_threads(body, 2) == [True, True]
+    assert launch.run_threads(body, 2) == [True, True]
 
 
 def test_ranks_that_build_different_models_are_named():
@@ -327,7 +326,7 @@ def test_ranks_that_build_different_models_are_named():
         minizero.Engine(model, comm, 1)
     with pytest.raises(RuntimeError, match=r"blocks.2.norm.weight \(8,\) float32 trainable' on rank 0 but "
                                            r"'head.weight \(13, 8\) float32 trainable' on rank 1"):
-        ops.run_threads(body, 3)
+        launch.run_threads(body, 3)
 
 
 # -----------------------------------------------------------------------------
@@ -467,20 +466,20 @@ def test_a_model_built_on_the_meta_device(stage):
             engine.backward(model(x, y))
             engine.step()
         return engine.full_state_dict()
-    real, meta = ops.run_threads(body, 3, False), ops.run_threads(body, 3, True)
+    real, meta = launch.run_threads(body, 3, False), launch.run_threads(body, 3, True)
     for a, b in zip(real, meta):
         assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_meta_device_needs_init_and_real_buffers():
     with pytest.raises(RuntimeError, match="pass init="):
-        ops.run_threads(lambda comm: minizero.Engine(_tied_net(True), comm, 3), 1)
+        launch.run_threads(lambda comm: minizero.Engine(_tied_net(True), comm, 3), 1)
     def with_meta_buffer(comm):
         model = _tied_net(False)
         model.register_buffer("scale", torch.empty(3, device="meta"))
         minizero.Engine(model, comm, 3, init=seeded_init)
     with pytest.raises(RuntimeError, match="scale .frozen, or a buffer. is on the meta device"):
-        ops.run_threads(with_meta_buffer, 1)
+        launch.run_threads(with_meta_buffer, 1)
 
 
 # -----------------------------------------------------------------------------
@@ -504,8 +503,8 @@ def test_muon_takes_the_linear_weights_and_adamw_the_rest():
     """The default split: every 2-D nn.Linear weight not tied to an nn.Embedding."""
     model = build()
     model.head.weight = model.emb.weight = nn.Parameter(torch.randn(V, D))  # tied: AdamW
-    kinds = ops.run_threads(lambda comm: {n: k for u in minizero.Engine(model, comm, 1, optimizer="muon").units
-                                          for n, k in zip(u.names, u.kinds)}, 1)[0]
+    kinds = launch.run_threads(lambda comm: {n: k for u in minizero.Engine(model, comm, 1, optimizer="muon").units
+                                             for n, k in zip(u.names, u.kinds)}, 1)[0]
     assert {n for n, k in kinds.items() if k == "muon"} == {f"blocks.{i}.fc.weight" for i in range(3)}
 
 
@@ -521,4 +520,4 @@ def test_muon_takes_the_linear_weights_and_adamw_the_rest():
 ])
 def test_optimizer_errors_name_the_fix(kw, says):
     with pytest.raises(RuntimeError, match=says):
-        ops.run_threads(lambda comm: minizero.Engine(build(), comm, 1, **kw), 1)
+        launch.run_threads(lambda comm: minizero.Engine(build(), comm, 1, **kw), 1)

@@ -20,7 +20,6 @@ import cli
 import minizero
 import offload
 import launch
-import ops
 from test_checkpoint import case, train
 from test_equivalence import assert_same, make
 
@@ -47,7 +46,7 @@ def test_disk_offload_is_bit_identical_and_shows_where_it_went(tmp_path, stage, 
             [f for f in offload_files(tmp_path) if f"rank{comm.rank}-" in f], len(engine.units)
         engine.close()
         return out
-    for memory, offloaded, formula, numel, files, units in ops.run_threads(body, 3):
+    for memory, offloaded, formula, numel, files, units in launch.run_threads(body, 3):
         assert memory["optimizer"] == 0                                # nothing of AdamW's stays resident
         assert offloaded == formula == {"disk": 12 * numel // 3}       # fp32 master, m, v of 1/N
         assert [f.split("-")[-1] for f in files] == [f"unit{i}.offload" for i in range(units)]  # one a unit
@@ -72,7 +71,7 @@ def test_bad_offload_options_are_clear_errors(tmp_path):
                      (dict(stage=2, offload="disk", offload_dir=str(blocker / "sub")), "cannot be written")]:
         stage = kw.pop("stage")
         with pytest.raises(RuntimeError, match=says):
-            ops.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, stage, **kw), 1)
+            launch.run_threads(lambda comm: minizero.Engine(copy.deepcopy(model), comm, stage, **kw), 1)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
@@ -94,7 +93,7 @@ def test_cpu_offload_runs_its_host_path_on_a_cpu_run(dtype):
         engine = minizero.Engine(copy.deepcopy(model), comm, 3, offload="cpu", offload_params=True, **kw)
         return [(u.master.data_ptr(), u.shard.data_ptr(), u.flat.data_ptr()) for u in engine.units]
     with pytest.warns(UserWarning, match="frees nothing"):
-        for units in ops.run_threads(body, 3):
+        for units in launch.run_threads(body, 3):
             assert all(len(set(ptrs)) == 3 for ptrs in units)  # master, shard and params: three copies
 
 
@@ -138,7 +137,7 @@ def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
                                                                  before[0]["emb.weight"])
         engine.close()
         return comm_error, went_on
-    errors = ops.run_threads(body, 3)
+    errors = launch.run_threads(body, 3)
     for error, went_on in errors:
         assert "rank(s) [1] could not write the offloaded optimizer state" in error and went_on
     assert "No space left on device" in errors[1][0]  # the rank that failed says why
@@ -151,9 +150,9 @@ def test_resume_with_offload_on_or_off_is_bit_for_bit(tmp_path, first, then):
     model, batches = make(c)
     ckpt, scratch = str(tmp_path / "ckpt"), str(tmp_path / "scratch")
     kw = lambda how: dict(c["engine"], offload=how, offload_dir=scratch) if how else c["engine"]  # noqa: E731
-    whole = ops.run_threads(train, 3, 2, model, batches, kw(None), None, None, ckpt)
-    ops.run_threads(train, 3, 2, model, batches[:2], kw(first), 1, None, ckpt)
-    resumed = ops.run_threads(train, 3, 2, model, batches[2:], kw(then), None, True, ckpt)
+    whole = launch.run_threads(train, 3, 2, model, batches, kw(None), None, None, ckpt)
+    launch.run_threads(train, 3, 2, model, batches[:2], kw(first), 1, None, ckpt)
+    resumed = launch.run_threads(train, 3, 2, model, batches[2:], kw(then), None, True, ckpt)
     for a, b in zip(whole[0][2:], resumed[0]):
         assert_same(a, b)
     assert offload_files(scratch) == [] and "manifest.json" not in os.listdir(scratch)  # scratch is no checkpoint
@@ -161,13 +160,13 @@ def test_resume_with_offload_on_or_off_is_bit_for_bit(tmp_path, first, then):
 
 def test_offload_files_go_at_normal_exit(tmp_path):
     script = textwrap.dedent(f"""
-        import torch, minizero, ops
+        import torch, minizero, launch
         keep = []  # every rank's engine, alive until the interpreter exits: no close() is called
         def body(comm):
             keep.append(minizero.Engine(torch.nn.Linear(4, 4), comm, 2, offload="disk", offload_dir={str(tmp_path)!r}))
             mine = f"rank{{comm.rank}}-"
             return len([f for f in __import__("os").listdir({str(tmp_path)!r}) if mine in f])
-        print(ops.run_threads(body, 2))
+        print(launch.run_threads(body, 2))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=os.path.dirname(os.path.abspath(__file__)))

@@ -116,7 +116,7 @@ def _ring_cases(comm, chunk, dtype, seed):
 @given(n=st.integers(1, 6), chunk=st.integers(1, 50), dtype=st.sampled_from(DTYPES),
        seed=st.integers(0, 2**20), strict_p2p=st.booleans())
 def test_ring_is_the_documented_order_bit_for_bit(n, chunk, dtype, seed, strict_p2p):
-    results = ops.run_threads(_ring_cases, n, chunk, dtype, seed, strict_p2p=strict_p2p)
+    results = launch.run_threads(_ring_cases, n, chunk, dtype, seed, strict_p2p=strict_p2p)
     xs = [make_input(r, n * chunk, dtype, seed) for r in range(n)]
     shards = [make_input(r + 100, chunk, dtype, seed) for r in range(n)]
     want = [ring_reference(xs, c) for c in range(n)]
@@ -146,7 +146,7 @@ def test_ring_order_is_observable_in_bf16():
           torch.tensor([2.0**-8, 0, 0], dtype=torch.bfloat16)]
     assert ring_reference(xs, 0).item() == 1 + 2.0**-7   # 2^-8 + 2^-8 is exact, then + 1
     assert naive_reference(xs, 0).item() == 1.0          # 1 + 2^-8 rounds to even, twice
-    got = ops.run_threads(lambda comm: ops.reduce_scatter(xs[comm.rank], comm), 3)
+    got = launch.run_threads(lambda comm: ops.reduce_scatter(xs[comm.rank], comm), 3)
     assert got[0].item() == 1 + 2.0**-7
 
     # and with the property test's own inputs: the first seed where they differ.
@@ -158,7 +158,7 @@ def test_ring_order_is_observable_in_bf16():
             break
     else:
         pytest.fail("no seed in 0..99 where the ring order differs from the naive order")
-    got = ops.run_threads(lambda comm: ops.reduce_scatter(xs[comm.rank], comm), n)
+    got = launch.run_threads(lambda comm: ops.reduce_scatter(xs[comm.rank], comm), n)
     c = diff[0]
     assert_bits_equal(got[c], ring_reference(xs, c))
     assert not torch.equal(got[c], naive_reference(xs, c))
@@ -182,7 +182,7 @@ def test_broadcast_copies_rank0(n, strict_p2p):
         assert rf is f and rb is b  # in place
         return f, b
 
-    for f, b in ops.run_threads(fn, n, strict_p2p=strict_p2p):
+    for f, b in launch.run_threads(fn, n, strict_p2p=strict_p2p):
         assert_bits_equal(f, src_f)
         assert b.dtype == torch.bool and torch.equal(b, src_b)
 
@@ -216,7 +216,7 @@ def _ring_and_native(comm, chunk, dtype, seed, with_all_reduce=False):
 def test_native_path_matches_ring_on_threads(n, chunk, dtype, seed):
     xs = [make_input(r, n * chunk, dtype, seed) for r in range(n)]
     shards = [make_input(r + 100, chunk, dtype, seed) for r in range(n)]
-    for r, out in enumerate(ops.run_threads(_ring_and_native, n, chunk, dtype, seed)):
+    for r, out in enumerate(launch.run_threads(_ring_and_native, n, chunk, dtype, seed)):
         (rs, ag, l_rs, l_ag), (frs, fag, fl_rs, fl_ag) = out[False], out[True]
         assert frs.dtype == dtype and frs.shape == rs.shape
         assert_sum_close(frs, xs, r, dtype)
@@ -249,7 +249,7 @@ def test_planted_exception_on_threads(native):
             raise KeyError("planted on rank 2")
         return ops.all_reduce(torch.ones(8), comm)  # the others wait on rank 2
 
-    err = _expect_failure(lambda: ops.run_threads(fn, 4), "rank 2 failed", "KeyError", "planted on rank 2")
+    err = _expect_failure(lambda: launch.run_threads(fn, 4), "rank 2 failed", "KeyError", "planted on rank 2")
     assert isinstance(err.__cause__, KeyError)
 
 
@@ -264,7 +264,7 @@ def test_mismatched_collectives_on_threads(case, native):
             return ops.all_gather(torch.ones(2), comm)
         return ops.reduce_scatter(torch.ones(6), comm)
 
-    err = _expect_failure(lambda: ops.run_threads(fn, 2), "mismatched")
+    err = _expect_failure(lambda: launch.run_threads(fn, 2), "mismatched")
     assert isinstance(err.__cause__, ValueError)
 
 
@@ -273,7 +273,7 @@ def test_recv_timeout_on_threads():
         if comm.rank == 1:
             comm.exchange(None, None, torch.empty(3), 0)  # rank 0 never sends
 
-    err = _expect_failure(lambda: ops.run_threads(fn, 2, timeout=1.0),
+    err = _expect_failure(lambda: launch.run_threads(fn, 2, timeout=1.0),
                           "rank 1 failed", "no message from rank 0 within 1.0s", within=10.0)
     assert isinstance(err.__cause__, ops.PeerFailed)
 
@@ -290,8 +290,8 @@ def test_bad_shapes_raise_value_error():
             errors.append(True)
         return errors  # every rank raised before sending: the world is still usable
 
-    assert ops.run_threads(fn, 2) == [[True] * 4] * 2
-    err = _expect_failure(lambda: ops.run_threads(lambda comm: ops.reduce_scatter(torch.ones(7), comm), 3),
+    assert launch.run_threads(fn, 2) == [[True] * 4] * 2
+    err = _expect_failure(lambda: launch.run_threads(lambda comm: ops.reduce_scatter(torch.ones(7), comm), 3),
                           "rank 0 failed", "ValueError")
     assert isinstance(err.__cause__, ValueError)
 
@@ -302,7 +302,7 @@ def test_thread_ranks_take_a_device():
 
     def fn(comm):
         return comm.device, ops.reduce_scatter(xs[comm.rank], comm), ops.all_gather(xs[comm.rank][:4], comm)
-    default, cpu = ops.run_threads(fn, 3), ops.run_threads(fn, 3, device="cpu")
+    default, cpu = launch.run_threads(fn, 3), launch.run_threads(fn, 3, device="cpu")
     for (d0, rs0, ag0), (d1, rs1, ag1) in zip(default, cpu):
         assert d0 == d1 == torch.device("cpu")
         assert_bits_equal(rs0, rs1)
@@ -312,7 +312,7 @@ def test_thread_ranks_take_a_device():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_thread_ranks_on_a_missing_gpu():
     with pytest.raises(ValueError, match="sees no CUDA GPU"):
-        ops.run_threads(lambda comm: None, 2, device="cuda")
+        launch.run_threads(lambda comm: None, 2, device="cuda")
 
 
 # -----------------------------------------------------------------------------
@@ -342,14 +342,14 @@ def test_strict_p2p_catches_the_old_ring_hop(n):
     thread world buffer, so the old hop passes there; NCCL's rules find the deadlock at once
     (long before the timeout) and name each rank's operation. The exchange passes both."""
     left = [torch.full((4,), float((r - 1) % n)) for r in range(n)]
-    for got, want in zip(ops.run_threads(_old_hop, n), left):
+    for got, want in zip(launch.run_threads(_old_hop, n), left):
         assert_bits_equal(got, want)
-    err = _expect_failure(lambda: ops.run_threads(_old_hop, n, strict_p2p=True, timeout=60.0),
+    err = _expect_failure(lambda: launch.run_threads(_old_hop, n, strict_p2p=True, timeout=60.0),
                           "point-to-point deadlock under NCCL's rules", within=10.0)
     for r in range(n):
         assert f"rank {r} is stuck in send of reduce_scatter of (4,) float32 to rank {(r + 1) % n}" in str(err)
     for strict in (False, True):
-        for got, want in zip(ops.run_threads(_new_hop, n, strict_p2p=strict), left):
+        for got, want in zip(launch.run_threads(_new_hop, n, strict_p2p=strict), left):
             assert_bits_equal(got, want)
 
 
@@ -359,13 +359,13 @@ def test_strict_p2p_sends_only_when_received():
     def fn(comm):
         if comm.rank == 0:
             comm.exchange(torch.ones(2), 1, None, None, "buffers")
-    assert ops.run_threads(fn, 2) == [None, None]
-    _expect_failure(lambda: ops.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in send of buffers of (2,) "
+    assert launch.run_threads(fn, 2) == [None, None]
+    _expect_failure(lambda: launch.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in send of buffers of (2,) "
                     "float32 to rank 1; rank 1 has finished", within=10.0)
 
     def fn(comm):
         comm.exchange(None, None, torch.empty(3), 1 - comm.rank)
-    _expect_failure(lambda: ops.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in receive of p2p of (3,) "
+    _expect_failure(lambda: launch.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in receive of p2p of (3,) "
                     "float32 from rank 1; rank 1 is stuck in receive of p2p of (3,) float32 from rank 0", within=10.0)
 
 
@@ -374,7 +374,7 @@ def test_strict_p2p_moves_only_tensors_on_the_ranks_device():
     on the meta device stand in for GPU ranks, a CPU tensor for a host one."""
     def fn(comm):
         return ops.all_gather(torch.ones(2, device=comm.device if comm.rank else "cpu"), comm)
-    _expect_failure(lambda: ops.run_threads(fn, 2, device="meta", strict_p2p=True), "rank 0 failed: ValueError",
+    _expect_failure(lambda: launch.run_threads(fn, 2, device="meta", strict_p2p=True), "rank 0 failed: ValueError",
                     "has a tensor on cpu, but the ranks work on meta; NCCL moves only tensors on the rank's GPU")
 
 
@@ -384,7 +384,7 @@ def test_mismatched_collectives_under_strict_p2p(case):
         if comm.rank == 0:
             return ops.reduce_scatter(torch.ones(4), comm)
         return ops.all_gather(torch.ones(2), comm) if case == "kind" else ops.reduce_scatter(torch.ones(6), comm)
-    err = _expect_failure(lambda: ops.run_threads(fn, 2, strict_p2p=True), "mismatched collectives")
+    err = _expect_failure(lambda: launch.run_threads(fn, 2, strict_p2p=True), "mismatched collectives")
     assert isinstance(err.__cause__, ValueError)
 
 
@@ -402,9 +402,9 @@ def test_strict_p2p_puts_a_ranks_threads_on_one_stream():
             time.sleep(0.1)  # (the send is issued first)
             comm.exchange(None, None, torch.empty(2), 1)
             return sending.result()
-    assert ops.run_threads(fn, 2) == [None, None]
-    _expect_failure(lambda: ops.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in send of p2p of (2,) float32 "
-                    "to rank 1", "rank 1 is stuck in send of p2p of (2,) float32 to rank 0", within=10.0)
+    assert launch.run_threads(fn, 2) == [None, None]
+    _expect_failure(lambda: launch.run_threads(fn, 2, strict_p2p=True), "rank 0 is stuck in send of p2p of (2,) "
+                    "float32 to rank 1", "rank 1 is stuck in send of p2p of (2,) float32 to rank 0", within=10.0)
 
 
 # -----------------------------------------------------------------------------
@@ -471,7 +471,7 @@ def test_processes_match_threads(tmp_path):
     # the ranks part at the ring's mismatch: rank 0, the one that reduce-scatters, is named
     assert str(err).startswith("rank 0 failed: CollectiveMismatch") and "rank 0 went its own way" in str(err)
     procs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(PROC_N)]
-    threads = ops.run_threads(_fixed_cases, PROC_N)
+    threads = launch.run_threads(_fixed_cases, PROC_N)
     for r in range(PROC_N):
         p, t = procs[r], threads[r]
         for (dtype, chunk, seed), pc, tc in zip(PROC_CASES, p, t):

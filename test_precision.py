@@ -11,6 +11,7 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 import cli
+import launch
 import minizero
 import ops
 from test_equivalence import FIXED, assert_same, make
@@ -43,7 +44,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(stage):
     c = dict(FIXED[0], steps=4, grad_accum=1)
     kw = dict(FIXED[0]["engine"], dtype=torch.float16, grad_accum=1, loss_scale=1024.0, scale_window=2)
     model, batches = make(c)
-    ranks = ops.run_threads(run, 3, stage, model, batches, kw, (2, 1))
+    ranks = launch.run_threads(run, 3, stage, model, batches, kw, (2, 1))
     for hist in ranks:
         assert [h[0] for h in hist] == [True, True, False, True]   # step 2 skipped on every rank
         assert [h[1] for h in hist] == [1024.0, 2048.0, 1024.0, 1024.0]  # x2 after 2 clean, /2 on overflow
@@ -57,11 +58,11 @@ def test_fp32_reduction_keeps_stages_identical():
     c = dict(FIXED[0], steps=2)
     kw = dict(FIXED[0]["engine"], dtype=torch.bfloat16, reduce_dtype=torch.float32)
     model, batches = make(c)
-    runs = {s: ops.run_threads(run, 3, s, model, batches, kw) for s in range(4)}
+    runs = {s: launch.run_threads(run, 3, s, model, batches, kw) for s in range(4)}
     for s in (1, 2, 3):
         for a, b in zip(runs[s][0], runs[0][0]):
             assert_same(a[2], b[2])
-    bf16 = ops.run_threads(run, 3, 0, model, batches, dict(kw, reduce_dtype=None))
+    bf16 = launch.run_threads(run, 3, 0, model, batches, dict(kw, reduce_dtype=None))
     assert not all(torch.equal(bf16[0][-1][2][k], runs[0][0][-1][2][k]) for k in bf16[0][-1][2])
 
 
@@ -80,7 +81,7 @@ def test_engine_casts_float_inputs_to_the_compute_dtype():
         engine = minizero.Engine(model, comm, 3, dtype=torch.bfloat16)
         engine.backward(model(torch.ones(2, 3)))
         return engine.step(), model.lin.weight.dtype
-    assert ops.run_threads(body, 2) == [(True, torch.bfloat16)] * 2
+    assert launch.run_threads(body, 2) == [(True, torch.bfloat16)] * 2
 
 
 def test_planner_prints_the_formula():

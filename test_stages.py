@@ -9,6 +9,7 @@ N/S replicas: read N as S in the table, plus the all-reduce.
 import pytest
 import torch
 
+import launch
 import minizero as mz
 import ops
 
@@ -80,7 +81,7 @@ def rank_world(comm, numel, dtype, S):
 @pytest.mark.parametrize("numel", [1, 7, 16])  # smaller than, not divisible by, divisible by N
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stage_functions_hold_and_send_what_the_table_says(N, S, numel, dtype):
-    ranks = ops.run_threads(rank_world, N, numel, dtype, S)
+    ranks = launch.run_threads(rank_world, N, numel, dtype, S)
     R, s = N // S, -(-numel // N) * N // S
     item = torch.empty((), dtype=dtype).element_size()
     one = (S - 1) * s * item  # one ring collective over Ψ in the group: each rank sends (S-1)/S·Ψ

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ds_config
-import ops
+import launch
 import train_gpt as tg
 
 
@@ -181,7 +181,7 @@ TINY = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=4, steps=1
 
 def test_train_loss_falls_and_stages_agree_bitwise():
     import minizero  # noqa: F401  (imported here so the tests above run without it)
-    runs = {stage: ops.run_threads(tg.train, 2, {**TINY, "stage": stage}) for stage in (0, 3)}
+    runs = {stage: launch.run_threads(tg.train, 2, {**TINY, "stage": stage}) for stage in (0, 3)}
     for stage, (r0, r1) in runs.items():
         assert r0["val"][-1][1] < r0["val"][0][1] - 0.3, (stage, r0["val"])
         assert r0["val"] == r1["val"]  # every rank evaluates the same batches with the same weights
@@ -200,9 +200,9 @@ def test_train_loss_falls_and_stages_agree_bitwise():
 def test_save_at_two_ranks_stage3_resume_at_three_ranks_stage1(tmp_path):
     """--out-dir saves at every eval; --resume continues at another world size and stage:
     the first val loss after resuming is the last one before, to the bit, and training goes on."""
-    first = ops.run_threads(tg.train, 2, {**TINY, "stage": 3, "steps": 6, "out_dir": str(tmp_path)})[0]
+    first = launch.run_threads(tg.train, 2, {**TINY, "stage": 3, "steps": 6, "out_dir": str(tmp_path)})[0]
     cfg = {**TINY, "stage": 1, "steps": 12, "out_dir": str(tmp_path), "resume": True}
-    second = ops.run_threads(tg.train, 3, cfg)[0]
+    second = launch.run_threads(tg.train, 3, cfg)[0]
     assert second["train"][0][0] == 6 and second["val"][0] == first["val"][-1]
     assert second["val"][-1][1] < second["val"][0][1]
 
@@ -223,8 +223,8 @@ def test_train_with_disk_offload_is_the_same_run(tmp_path):
     """--offload disk: the same loss curve and sample, to the bit, at stage 3; the memory
     lines move the optimizer to disk; no file stays behind."""
     cfg = {**TINY, "stage": 3, "steps": 4, "eval_interval": 2}
-    plain = ops.run_threads(tg.train, 2, cfg)[0]
-    off = ops.run_threads(tg.train, 2, {**cfg, "offload": "disk", "offload_dir": str(tmp_path)})[0]
+    plain = launch.run_threads(tg.train, 2, cfg)[0]
+    off = launch.run_threads(tg.train, 2, {**cfg, "offload": "disk", "offload_dir": str(tmp_path)})[0]
     assert (off["train"], off["val"], off["sample"]) == (plain["train"], plain["val"], plain["sample"])
     assert off["memory"]["optimizer"] == 0 < plain["memory"]["optimizer"] and os.listdir(tmp_path) == []
 

@@ -17,6 +17,7 @@ import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -166,11 +167,7 @@ def stdlib_corpus(max_bytes=3_000_000):
 
 def load_data(path=None):
     """{"train": first 90% of the bytes, "val": the last 10%} as uint8 tensors."""
-    if path is None:
-        raw = stdlib_corpus()
-    else:
-        with open(path, "rb") as f:
-            raw = f.read()
+    raw = stdlib_corpus() if path is None else Path(path).read_bytes()
     data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     n = split_at(len(data))
     return {"train": data[:n], "val": data[n:]}
@@ -198,8 +195,7 @@ DEFAULTS = dict(
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
-    trace=None,
-    optimizer="adamw", muon_lr=0.05, momentum=None,
+    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None,
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -464,8 +460,8 @@ def train(comm, cfg):
     if c.trace:
         log(f"trace of the first steps: {c.trace}/rank{{0..{N - 1}}}.json (open in ui.perfetto.dev)")
     engine.close()  # (disk offload: its files go now)
-    return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem, formula=formula, comm_per_step=comm_step,
-                n_params=n_params, skipped=skipped, sample=sample)
+    return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem,
+                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=skipped, sample=sample)
 
 
 def train_entry(comm, cfg):
