@@ -194,7 +194,8 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
-    o, gather = hp.options, gather or (lambda x: x)  # (offloaded: the update runs on the host, master's device)
+    o, gather = hp.options, gather or (lambda x: x)
+    grad = grad.to(master.device)  # offloaded: the update runs on the host; the gradient comes over once
     scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
