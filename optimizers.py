@@ -195,7 +195,8 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)
-    grad = grad.to(master.device)  # offloaded: the update runs on the host; the gradient comes over once
+    grad = grad.to(master.device)  # offloaded: the update runs on the host; the gradient comes over once,
+    coef = None if hp.coef is None else hp.coef.to(master.device)  # the clip coefficient too (a GPU's: a sync)
     scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
@@ -208,12 +209,12 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
                     if a < hi and lo < b:
                         master[max(a, lo):min(b, hi)].mul_(decay)
                 tmp = scratch if scratch[0] is None or hi - lo == BLOCK else [x[:hi - lo] for x in scratch]
-                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp, master.device, tmp[2]), s["m"][i:j], s["v"][i:j], t,
+                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j], s["v"][i:j], t,
                       hp.lr, *o["betas"], o["eps"], out=tmp[:2])
         elif p.kind == "sgd":
-            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp, master.device), s.get("momentum_buffer"), t, hp.lr,
+            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp.unscale, coef), s.get("momentum_buffer"), t, hp.lr,
                 o["momentum"], o["nesterov"], wd)
-    g = mean_grad(grad, hp, master.device) if whole else None
+    g = mean_grad(grad, hp.unscale, coef) if whole else None
     if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
         dev = device or master.device  # (lerp is a fused kernel: the host's may round otherwise)
         x = torch.zeros(len(g), dtype=torch.bfloat16, device=dev)
@@ -246,13 +247,13 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
             master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b].to(master.device), alpha=-size)
 
 
-def mean_grad(grad, hp, device, out=None):
-    """The mean gradient: the reduced sum, in fp32 on the update's device, times 1/(N·loss
+def mean_grad(grad, unscale, coef, out=None):
+    """The mean gradient: the reduced sum (on the update's device) in fp32, times 1/(N·loss
     scale), then times the clipping coefficient (x·1 is x: one rank unclipped reads the sum)."""
-    g = grad.to(device, torch.float32)
-    if hp.unscale != 1:
-        g = torch.mul(g, hp.unscale, out=out)
-    return g if hp.coef is None else torch.mul(g, hp.coef.to(device), out=out)
+    g = grad.to(torch.float32)
+    if unscale != 1:
+        g = torch.mul(g, unscale, out=out)
+    return g if coef is None else torch.mul(g, coef, out=out)
 
 
 def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
