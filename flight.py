@@ -19,6 +19,7 @@ raises one error that names each rank's collective and call site, the first sequ
 number where they differ, and the likely cause. Engine(trace=DIR) writes the same
 records, with each unit's forward and backward, as a Chrome trace per rank.
 """
+import atexit
 import json
 import linecache
 import os
@@ -254,10 +255,13 @@ def watch(store, flight, world_size, every=0.25):
     """A daemon thread per process rank: once any rank declares the world broken (FAILED),
     this rank publishes its snapshot even if its own code is busy elsewhere (a stalled rank
     answers too) and latches the failure, so its next collective raises instead of posting
-    a message that might meet a stale one (gloo would abort the process)."""
+    a message that might meet a stale one (gloo would abort the process). It stops at exit,
+    before the interpreter ends: a thread caught inside a store call then aborts the process
+    ("terminate called without an active exception", seen under torchrun)."""
+    stop = threading.Event()
+
     def loop():
-        while flight.failed is None:
-            time.sleep(every)
+        while flight.failed is None and not stop.wait(every):
             try:
                 if store.check([FAILED]):
                     reason = store.get(FAILED).decode()
@@ -266,7 +270,9 @@ def watch(store, flight, world_size, every=0.25):
                                              reason, flight.rank)
             except Exception:  # the store went with the world: nothing left to answer
                 return
-    threading.Thread(target=loop, daemon=True, name=f"minizero-flight{flight.rank}").start()
+    thread = threading.Thread(target=loop, daemon=True, name=f"minizero-flight{flight.rank}")
+    thread.start()
+    atexit.register(lambda: (stop.set(), thread.join(timeout=5)))
 
 
 # -----------------------------------------------------------------------------
