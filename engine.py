@@ -270,6 +270,8 @@ class Engine:
         o, g = u.offsets[i], p.grad.view(-1)
         dst = self._bucket(u)[o:o + p.numel()]
         dst.add_(g) if i in u.arrived else dst.copy_(g)  # add: a second reentrant region's part
+        if self.comm.world_size > 1:  # its sum while in cache: NaN or inf anywhere makes it so (one rank: _agree's)
+            torch.sum(dst, 0, dtype=torch.float32, out=u.sums[i])
         p.grad = None
         u.arrived.add(i)
         u.used[i] = True
@@ -295,12 +297,12 @@ class Engine:
         bucket = self._bucket(u)
         for i in set(range(len(u.params))) - u.arrived:  # no gradient here: zero, as in DDP
             bucket[u.offsets[i]:u.offsets[i] + u.params[i].numel()].zero_()
+            u.sums[i] = 0
         local, last = bucket.to(self.reduce_dtype), self.micro == self.grad_accum - 1
         reduced = u.reduced if self.micro else None  # the first micro-batch starts the sum
         self._log(u, 1)
-        # which rank's own gradient went bad: NaN or inf anywhere makes the fp32 sum so (one pass, no copy)
-        if self.comm.world_size > 1:  # (one rank: its own gradient is the sum, which _agree checks)
-            self.finite &= torch.isfinite(local.sum(dtype=torch.float32))
+        if self.comm.world_size > 1:  # which rank's own gradient went bad (one rank: its own is the sum)
+            self.finite &= torch.isfinite(u.sums.sum())
 
         def job():
             if self.sharded["optimizer"]:

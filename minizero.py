@@ -187,6 +187,7 @@ class Unit:
                                                     # made by a step's first reduction, freed after its update
         self.full_grad = None                       # stage 0: the reduced gradient, all-gathered
         self.arrived = set()                        # parameters whose gradient came in this micro-batch
+        self.sums = torch.zeros(len(self.params), device=self.flat.device)  # ...the fp32 sum of each (finite check)
         self.ready = False                          # its local gradient is complete (this micro-batch)
         self.flushed = False                        # reduce-scattered in this micro-batch?
         self.pending = None                         # stage 3: the gather in flight or done, or None
