@@ -56,7 +56,7 @@ import referee as judge  # (check()'s own `referee` is a flag)
 from checkpoint import read_state
 from engine import Engine
 from optimizers import state_numel, whole_numel
-from minizero import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
+from stages import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
                       offloaded_bytes)
 
 KEPT = ("reduce_scatter", "all_gather", "all_reduce", "optimizer")  # the kinds the formula speaks of

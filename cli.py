@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 import checkpoint
-from minizero import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
+from stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
 from optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
@@ -67,7 +67,7 @@ def main(argv):
 
 
 # -----------------------------------------------------------------------------
-# the planner: minizero.py's formulas as a table; for hybrid sharding, also the bytes per
+# the planner: stages.py's formulas as a table; for hybrid sharding, also the bytes per
 # link (link_bytes_per_step) and the ring model's time
 
 

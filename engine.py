@@ -1,6 +1,6 @@
 """
 The engine: the one stateful object of minizero, because autograd's hooks need somewhere
-to keep what they see. It decides *when* the functions of minizero.py run (reduce a unit
+to keep what they see. It decides *when* the functions of stages.py run (reduce a unit
 once its last gradient is in, gather a stage-3 unit before it is used, prefetch the next,
 update after the last micro-batch); *how* they sum, update and share is theirs.
 
@@ -19,7 +19,7 @@ import torch
 import checkpoint
 from flight import Tracer
 from checkpoint import write_master
-from minizero import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
+from stages import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
                       sharded, tensors, zero_update)
@@ -225,7 +225,7 @@ class Engine:
         anything still views it. With writable=True, on exit rank 0's values win: they are
         broadcast and written into every rank's fp32 master (and stage 3's shard), so every
         rank trains on what rank 0 wrote. DeepSpeed: GatheredParameters; FSDP: summon_full_params.
-        Outside it, at stage 3, reading a parameter raises (see minizero.ShardedParameter)."""
+        Outside it, at stage 3, reading a parameter raises (see stages.ShardedParameter)."""
         want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
         units = [u for u in self.units if want is None or any(id(p) in want for p in u.params)]
         self._drain()

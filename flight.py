@@ -38,7 +38,7 @@ KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint"
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
               torch.int32: 6, torch.uint8: 7, torch.bool: 8}
 _CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
-OURS = {f"{m}.py" for m in ("ops", "launch", "flight", "engine", "minizero", "offload", "checkpoint")}
+OURS = {f"{m}.py" for m in ("ops", "launch", "flight", "engine", "stages", "minizero", "offload", "checkpoint")}
 
 
 def code(kind):
@@ -312,7 +312,7 @@ class Tracer:
                 return
             self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
                                  t0, time.perf_counter(), self.t))
-            from minizero import tensors  # (minizero imports ops, which imports this file)
+            from stages import tensors  # (stages imports ops, which imports this file)
             for t in tensors(out):  # backward of this unit starts when its outputs' gradient arrives
                 if t.requires_grad:
                     t.register_hook(self._backward_starts(u))

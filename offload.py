@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from launch import remove_at_end
-from minizero import gather_whole, share_params
+from stages import gather_whole, share_params
 from ops import all_gather
 from optimizers import runs, update
 
@@ -178,7 +178,7 @@ class DiskState:
 def disk_update(engine, hp):
     """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master
     and state stream in (the next unit's read runs alongside), are updated on the host
-    (minizero.update) and stream out to the files' other slot. Only once every rank has
+    (optimizers.update) and stream out to the files' other slot. Only once every rank has
     written every unit (one small collective) do the slots swap and the params follow,
     as in zero_update (share_params): a failed write (a full disk) leaves params, moments
     and step counts (this step's increments taken back) as they were."""

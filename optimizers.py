@@ -126,7 +126,7 @@ def state_layout(offsets, shapes, kinds, keys, lo, hi):
     return pieces, sizes
 
 
-# the formulas' part (minizero.py): the planner's fp32 state elements per parameter beside the master
+# the formulas' part (stages.py): the planner's fp32 state elements per parameter beside the master
 # (AdamW's m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it keep
 # 2: Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here), and the
 # bytes per element a whole-tensor update all-gathers (update)

@@ -11,7 +11,7 @@ import copy
 import torch
 
 import check
-from minizero import cast_floats
+from stages import cast_floats
 from optimizers import OPTIMIZERS, optimizer_options
 
 

@@ -19,6 +19,7 @@ import check
 import engine
 import minizero
 import optimizers
+import stages
 
 torch.set_num_threads(1)
 
@@ -90,7 +91,7 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
 def test_ranks_start_from_rank_0s_values(monkeypatch):
     """check builds ranks 1.. from other values (every parameter and buffer plus the rank):
     without the unit's initial broadcast (DDP's), the ranks train apart."""
-    monkeypatch.setattr(minizero, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
+    monkeypatch.setattr(stages, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
     first = run(world_sizes=(2,), stages=(0, 1)).first
     assert (first.what, first.stage, first.rank, first.step) == ("initial", 0, 1, 0)
     assert first.ours == first.theirs + 1  # rank 1's own value: rank 0's plus one
@@ -225,8 +226,8 @@ def decay_twice(monkeypatch):
 
 
 def clip_on_the_squared_norm(monkeypatch):
-    real = minizero.all_gather
-    monkeypatch.setattr(minizero, "all_gather", lambda x, comm, out=None, kind="all_gather":
+    real = stages.all_gather
+    monkeypatch.setattr(stages, "all_gather", lambda x, comm, out=None, kind="all_gather":
                         real(x * x if kind == "clip" else x, comm, out, kind))
 
 
@@ -306,7 +307,7 @@ def test_batches_in_containers_reach_the_device():
     lists and dicts (here with a function that marks them, as the CPU cannot move them)."""
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": (torch.zeros(2), [torch.zeros(1, dtype=torch.long)]), "b": Pair(torch.ones(1), 3), "c": "text"}
-    out = minizero.map_tensors(batch, lambda t: t + 1)
+    out = stages.map_tensors(batch, lambda t: t + 1)
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
@@ -330,7 +331,7 @@ def test_whole_tensor_updates_on_the_local_shard_only(monkeypatch, optimizer):
     here each rank sees its own chunk and zeros for the rest of every matrix."""
     def local_only(comm, device):
         return lambda x: torch.cat([x if r == comm.rank else torch.zeros_like(x) for r in range(comm.world_size)])
-    monkeypatch.setattr(minizero, "gather_whole", local_only)
+    monkeypatch.setattr(stages, "gather_whole", local_only)
     report = run_optim(optimizer=optimizer)
     first = report.first
     assert (first.what, first.step, first.stage) == ("params", 0, 1), report

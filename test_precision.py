@@ -14,6 +14,7 @@ import cli
 import launch
 import minizero
 import ops
+import optimizers
 from test_equivalence import FIXED, assert_same, make
 
 torch.set_num_threads(1)
@@ -122,11 +123,11 @@ def test_the_update_divides_only_by_tensors_on_its_device(coef):
     meta = torch.device("meta")
     master, m, v = (torch.empty(8, device=meta) for _ in range(3))
     grad = torch.empty(8, device=meta, dtype=torch.bfloat16)
-    hp = minizero.Hyper(1e-2, 0.1, {"betas": (0.9, 0.999), "eps": 1e-8}, 0.25,
+    hp = optimizers.Hyper(1e-2, 0.1, {"betas": (0.9, 0.999), "eps": 1e-8}, 0.25,
                         None if coef is None else torch.full((), coef, device=meta))
-    pieces = minizero.state_layout([0, 3], [(3,), (5,)], ["adamw"] * 2, [{"m": None, "v": None}] * 2, 0, 8)[0]
+    pieces = optimizers.state_layout([0, 3], [(3,), (5,)], ["adamw"] * 2, [{"m": None, "v": None}] * 2, 0, 8)[0]
     with Recorder() as rec:
-        minizero.update(master, {"m": m, "v": v}, grad, [(pieces[0], 2, 0.1), (pieces[1], 1, 0.0)], hp)
+        optimizers.update(master, {"m": m, "v": v}, grad, [(pieces[0], 2, 0.1), (pieces[1], 1, 0.0)], hp)
     divisions = [(name, args) for name, args in rec.calls if "div" in name]
     assert len(divisions) == 4  # two per piece: by the bias correction, by the denominator
     for name, (x, y, *_) in divisions:

@@ -1,5 +1,5 @@
 """
-The stage functions of minizero.py, called directly on explicit shard tensors: no Engine,
+The stage functions of stages.py, called directly on explicit shard tensors: no Engine,
 no model, no hooks. Each rank of a thread world holds a padded flat buffer and a local
 gradient; the test runs what each stage does at its sync points and checks it against
 the ZeRO table: what every rank holds afterwards, and the bytes it sent, to which peer.
@@ -10,16 +10,17 @@ import pytest
 import torch
 
 import launch
-import minizero as mz
 import ops
+import optimizers
+import stages as mz
 
 torch.set_num_threads(1)
 LR, WD = 0.05, 0.1
 
 
 def pieces(lo, hi, numel, t=1):
-    """What minizero.runs gives for one AdamW parameter of numel elements: its part of [lo, hi)."""
-    layout = mz.state_layout([0], [(numel,)], ["adamw"], [{"m": None, "v": None}], lo, hi)[0]
+    """What optimizers.runs gives for one AdamW parameter of numel elements: its part of [lo, hi)."""
+    layout = optimizers.state_layout([0], [(numel,)], ["adamw"], [{"m": None, "v": None}], lo, hi)[0]
     return [(p, t, WD) for p in layout]
 
 
@@ -35,7 +36,7 @@ def rank_world(comm, numel, dtype, S):
     g.manual_seed(100 + r)
     local = torch.zeros(padded, dtype=dtype)
     local[:numel] = torch.randn(numel, generator=g).to(dtype)        # this rank's own gradient
-    hp = mz.Hyper(LR, WD, {"betas": (0.9, 0.999), "eps": 1e-8}, 1.0 / N, None)
+    hp = optimizers.Hyper(LR, WD, {"betas": (0.9, 0.999), "eps": 1e-8}, 1.0 / N, None)
     master = (lambda x: x if dtype == torch.float32 else x.float())  # fp32 needs no separate master
     out, sent = {}, {}
 
