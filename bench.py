@@ -48,6 +48,7 @@ import flight
 import launch
 import minizero
 import plots
+import stages
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20
@@ -408,7 +409,7 @@ def traced_world(comm, cfg, trace_dir):
     """Three stage-3 steps of the timing table's GPT with Engine(trace=...): its first three."""
     torch.set_num_threads(1)
     step, engine = build(Variant("stage3-ring", "zero", 3), comm, gpt_config(cfg))
-    flight.Tracer(trace_dir, comm, engine.units)  # (build() makes the engine; this is trace=trace_dir)
+    flight.Tracer(trace_dir, comm, engine.units, stages.tensors)  # (build() makes the engine; this is trace=trace_dir)
     for x, y in batches(cfg, comm.rank, 3):
         step(x, y)
     engine.close()

@@ -25,7 +25,7 @@ from stages import (Unit, cast_floats, check_engine_args, check_same_model, clip
                       sharded, tensors, zero_update)
 from offload import check_offload, disk_update, placement
 from optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
-from ops import Pending, all_gather, broadcast, comm_thread, split
+from ops import Pending, all_gather, broadcast, comm_thread, in_flight, split
 
 
 class Engine:
@@ -94,7 +94,7 @@ class Engine:
         self.order = self.units[::-1]           # reduce order: the same on every rank, backward's usual
         self.finite = torch.ones((), dtype=torch.bool, device=self.device)  # this rank's own gradients all finite?
         self.buffers = list(model.buffers()) if broadcast_buffers else []  # DDP's broadcast_buffers
-        self.tracer = trace and Tracer(trace, comm, self.units)  # trace=DIR: a Chrome trace per rank
+        self.tracer = trace and Tracer(trace, comm, self.units, tensors)  # trace=DIR: a Chrome trace per rank
         for t in [p for p in model.parameters() if not p.requires_grad] + list(model.buffers()):
             broadcast(t.data, comm)  # frozen params and buffers start as rank 0's, too
 
@@ -112,14 +112,21 @@ class Engine:
         if self.sharded["params"]:
             model.register_forward_hook(_hook(ref, "_eval_done"))
 
-    # ---- communication runs on its own thread, in the order it is asked for
+    # ---- communication, in the order it is asked for: on a thread of its own, or in flight
 
     def _submit(self, job, phase="", u=None):
-        """Run job() on this rank's communication thread (overlap=True) while autograd
-        computes. Every rank submits the same collectives in the same order, and one
-        thread runs them in that order, so they pair up across ranks (flight.py records when asked for)."""
+        """Run job() while autograd computes: on this rank's communication thread (overlap=True),
+        which runs jobs in the order submitted, so they pair up across ranks (flight.py records them).
+        torch's own collectives start right here instead and finish at their wait (ops.in_flight,
+        as DDP's and FSDP2's do), where each job is one collective whose result nothing reads
+        before then: not accumulation's later micro-batches (they add to the sum), nor hybrid's."""
         grad = torch.is_grad_enabled() or phase == "gradient reduction"  # (a reduction is the same collective
         job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, grad), job)  # in autograd or after)
+        if self.pool is not None and self.comm.native and self.replicas.world_size == 1 and self.micro == 0:
+            with in_flight(self.comm) as pending:
+                job()
+            self.last = pending
+            return pending
         if self.pool is None:
             out = job()
             return Pending(lambda: out)

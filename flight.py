@@ -100,7 +100,7 @@ class Flight:
         if self.spans is not None:
             self.spans.append(rec)
         self.current = rec
-        self.tag = (rec[SEQ], code(kind), code(phase), unit, int(grad), rec[NUMEL])
+        self.tag = _tag(rec)
         return rec
 
     def within(self, ctx, job):
@@ -116,12 +116,18 @@ class Flight:
         if self.tracer is not None:
             self.tracer.step(t)
 
-    def end(self, rec):
-        rec[T1] = self.idle = time.perf_counter()
+    def end(self, rec, done=True):
+        """rec's collective is over; done=False: it was started and runs on (ops.in_flight), and
+        this rank goes on outside it until its wait, which resumes it and ends it."""
+        if done:
+            rec[T1] = self.idle = time.perf_counter()
         self.current, rec[OUTER] = rec[OUTER], None  # (no chain of finished records)
         if self.current is not None:
-            c = self.current
-            self.tag = (c[SEQ], code(c[KIND]), code(c[PHASE]), c[UNIT], int(c[GRAD]), c[NUMEL])
+            self.tag = _tag(self.current)
+
+    def resume(self, rec):
+        """Waiting for rec, a collective in flight: it is the rank's current one again (a stall names it)."""
+        rec[OUTER], self.current, self.tag = self.current, rec, _tag(rec)
 
     def snapshot(self):
         """Plain data for the other ranks: the records, the current one, and the call site."""
@@ -131,6 +137,11 @@ class Flight:
                     current=None if self.current is None else self.current[SEQ],
                     site=self.site or call_site(self.owner),
                     now=time.perf_counter(), idle=self.idle)
+
+
+def _tag(rec):
+    """A record's identity, as messages carry it: (sequence number, kind, phase, unit, grad mode, size)."""
+    return rec[SEQ], code(rec[KIND]), code(rec[PHASE]), rec[UNIT], int(rec[GRAD]), rec[NUMEL]
 
 
 def call_site(ident):
@@ -282,8 +293,9 @@ class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
     flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps."""
 
-    def __init__(self, path, comm, units, steps=3):
+    def __init__(self, path, comm, units, tensors, steps=3):
         self.path = path            # the directory of the trace files
+        self.tensors = tensors      # module output -> the tensors in it (stages.tensors)
         self.flight = comm.flight   # the communicator's record: its spans are the collectives
         self.world_size = comm.world_size  # an all-gather's whole buffer is N times its input
         self.t = 0                  # steps done: the step a span belongs to
@@ -312,8 +324,7 @@ class Tracer:
                 return
             self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
                                  t0, time.perf_counter(), self.t))
-            from stages import tensors  # (stages imports ops, which imports this file)
-            for t in tensors(out):  # backward of this unit starts when its outputs' gradient arrives
+            for t in self.tensors(out):  # backward of this unit starts when its outputs' gradient arrives
                 if t.requires_grad:
                     t.register_hook(self._backward_starts(u))
         return hook

@@ -21,6 +21,7 @@ Two transports run the same ring code:
     ProcessComm    ranks are processes on gloo or nccl (launch.py: run_processes, or
                    init_from_env under torchrun)
 """
+import contextlib
 import functools
 import hashlib
 import queue
@@ -57,6 +58,45 @@ class Pending:
         self.wait = wait
 
 
+@contextlib.contextmanager
+def in_flight(comm):
+    """Inside, torch's own collectives (comm.native) are started, not finished (torch's
+    async_op=True): the caller goes on while they run, and must neither read their outputs
+    nor write their inputs until the Pending this yields is waited. How the engine overlaps
+    them with backward from its own thread, as DDP and FSDP2 do. Ring collectives still
+    finish inside: each hop waits for the one before."""
+    waits = comm.flying = []
+
+    def wait():  # in the order they started; a second wait() finds nothing left
+        while waits:
+            waits.pop(0)()
+    try:
+        yield Pending(wait)
+    finally:
+        comm.flying = None
+
+
+def _finish(comm, wait, out):
+    """A native collective has started: finish it now, or, in flight, at in_flight's wait. Its
+    flight record stays open until then (a rank stalled in the wait is in that collective)."""
+    if comm.flying is None:
+        wait()
+        return out
+    rec = comm.flight.current
+    comm.flight.end(rec, done=False)
+
+    def finish():
+        comm.flight.resume(rec)
+        wait()
+        comm.flight.end(rec)
+    comm.flying.append(finish)
+    return out
+
+
+def _bits(t):
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
 def _halves(kind, send, dst, recv, src):
     """What an exchange does, in words (for errors): 'send of ... to rank 1 + receive ... from rank 2'."""
     return " + ".join(([f"send of {_describe(kind, send)} to rank {dst}"] if send is not None else []) +
@@ -76,6 +116,7 @@ class ThreadComm:
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.native = False  # torch's own collectives instead of the ring
+        self.flying = None  # inside in_flight(): the waits of the native collectives started there
         self.device = world.device
         self.flight = world.flights[rank] = Flight(rank)  # the last collectives (flight.py)
 
@@ -120,7 +161,23 @@ class ThreadComm:
     def run_native(self, op, x, out, kind, ranks=None):
         """The thread world's native collective over `ranks` (global numbers; all by default):
         every rank reads the others' x straight from shared memory, as a native collective
-        would, and sums in rank order."""
+        would, and sums in rank order. Started in flight (in_flight), it models torch's
+        async_op, as strictly as any transport may run it: the ranks meet at the wait (x is
+        read then), and until then out holds NaN, so reading it early or writing x shows."""
+        if self.flying is None:
+            return self._meet(op, x, out, kind, ranks)
+        keep = x.detach().clone()
+        out.fill_(float("nan"))
+        held = keep if out is not x else out.clone()  # what x must hold at the wait
+
+        def wait():
+            if not torch.equal(_bits(x), _bits(held)):
+                raise RuntimeError(f"rank {self.rank}: the input of a native {kind} in flight was written "
+                                   f"before its wait")
+            self._meet(op, keep, out, kind, ranks)
+        return _finish(self, wait, out)
+
+    def _meet(self, op, x, out, kind, ranks):
         ranks = tuple(ranks or range(self.world_size))
         slots, barrier = self.world.meeting(ranks)
         me = ranks.index(self.rank)
@@ -184,6 +241,7 @@ class ProcessComm:
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.groups = {}  # ranks -> torch's process group of them, for native collectives in a Group
+        self.flying = None  # inside in_flight(): the waits of the native collectives started there
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if dist.get_backend() == "nccl" else torch.device("cpu")
         self.flight = Flight(self.rank)  # the last collectives (flight.py)
@@ -270,11 +328,14 @@ class ProcessComm:
                 self._check(kind, x, src, g, latch=False)  # every rank sees it: the world stays usable
         if op == "all_reduce":
             y = out if out is x else out.copy_(x)  # (gloo and NCCL sum in place)
-            self._guard(kind, lambda: dist.all_reduce(y, group=group, async_op=True).wait(self.timeout))
+            work = self._guard(kind, lambda: dist.all_reduce(y, group=group, async_op=True))
         else:
-            self._guard(kind, lambda: _NATIVE[op](out, x.contiguous(), group=group,
-                                                  async_op=True).wait(self.timeout))
-        return out
+            x = x.contiguous()
+            work = self._guard(kind, lambda: _NATIVE[op](out, x, group=group, async_op=True))
+        # in flight on NCCL, wait() only makes the current stream wait (a timeout would block the
+        # host: the process group's own timeout stands); gloo's wait, and a finished one, are the host's
+        wait = work.wait if out.is_cuda and self.flying is not None else lambda: work.wait(self.timeout)
+        return _finish(self, lambda: self._guard(kind, lambda: (x, out, wait())), out)  # (x, out: alive till then)
 
     def make_groups(self, rank_lists):
         """torch's process groups for native collectives inside Groups. dist.new_group is a
@@ -366,7 +427,8 @@ def _recorded(op):
         def collective(x, comm, *args, **kw):
             rec = comm.flight.start(op, kw.get("kind", op), x)
             out = fn(x, comm, *args, **kw)
-            comm.flight.end(rec)
+            if comm.flight.current is rec:  # (else it is in flight: its wait ends it)
+                comm.flight.end(rec)
             return out
         return collective
     return wrap

@@ -35,6 +35,7 @@ from hypothesis import event, given
 from hypothesis import strategies as st
 
 import check
+import engine
 import minizero
 import launch
 import ops
@@ -216,6 +217,31 @@ def test_native_collectives_keep_the_stages_equal(overlap):
     for c in FIXED:
         report = run_check(c, native=True, overlap=overlap)
         assert report.ok, f"\n{report}"
+
+
+def test_native_overlap_starts_collectives_in_flight_with_the_bits_of_waiting(monkeypatch):
+    """On torch's collectives the engine starts each one itself, in flight (ops.in_flight: on
+    threads its output is NaN until the wait), and gives the bits of overlap=False, where each
+    finishes at once: nothing goes to the communication thread in a micro-batch whose jobs
+    are one collective each (the first), the later ones of accumulation (adding to the sum) do."""
+    jobs, real = [], engine.comm_thread
+
+    def counted(comm):  # the communication thread, counting its jobs
+        pool = real(comm)
+        submit = pool.submit
+        pool.submit = lambda job: (jobs.append(comm.rank), submit(job))[1]
+        return pool
+    monkeypatch.setattr(engine, "comm_thread", counted)
+    model_spec = lambda **kw: dict(_spec(FIXED[0]), engine_kw=dict(FIXED[0]["engine"], native=True, **kw))  # noqa: E731
+    for stage in (0, 3):
+        for accum in (1, 2):
+            jobs.clear()
+            runs = [launch.run_threads(check._rank, 3, stage, model_spec(overlap=o, grad_accum=accum))
+                    for o in (True, False)]
+            assert (len(jobs) == 0) == (accum == 1), (stage, accum, len(jobs))
+            for a, b in zip(*runs):
+                for x, y in zip(a["hist"], b["hist"]):
+                    assert_same(x["state"], y["state"])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.device_count() < 2, reason="nccl needs a GPU per rank")

@@ -183,7 +183,11 @@ def gloo_world(comm):
     ring = [check._rank(comm, s, spec) for s in (0, 3)]
     # reduce-scatter and all-gather in each group, all-reduce across: on torch's process groups
     native = [check._rank(comm, s, _spec(BUG, native=True)) for s in (0, 3)]
-    return ring, native
+    # and while the world is up, plain ZeRO on torch's collectives: micro-batch 0's start in flight
+    # (ops.in_flight, gloo's async works), micro-batch 1's add to the sum on the thread; overlap=False waits each
+    flying = [check._rank(comm, s, _spec(BUG, native=True, shard_size=None, overlap=o)) for s, o in
+              ((0, True), (3, True), (0, False))]
+    return ring, native, flying
 
 
 def _spec(c, **kw):
@@ -196,12 +200,15 @@ def _spec(c, **kw):
 def test_processes_at_a_shard_size():
     results = launch.run_processes(gloo_world, 4)
     threads = [launch.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
-    for rank, (ring, native) in enumerate(results):
+    for rank, (ring, native, flying) in enumerate(results):
         for i in range(2):
             for a, b in zip(ring[i]["hist"], threads[i][rank]["hist"]):
                 assert_same(a["state"], b["state"])
         for a, b in zip(native[0]["hist"], native[1]["hist"]):  # torch's order, the same in both stages
             assert_same(a["state"], b["state"])
+        for run in flying[1:]:
+            for a, b in zip(flying[0]["hist"], run["hist"]):
+                assert_same(a["state"], b["state"])
 
 
 # -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, settings, strategies as st
 
+import flight
 import launch
 import ops
 
@@ -207,6 +208,10 @@ def _ring_and_native(comm, chunk, dtype, seed, with_all_reduce=False):
             results.append(call())
             deltas.append(ledger_delta(before, sent(comm)))
         out[native] = (*results, *deltas)
+    with ops.in_flight(comm) as pending:  # the native calls again, all started before any finishes
+        started = [call() for call in calls]
+    pending.wait()
+    out["in flight"] = started
     return out
 
 
@@ -224,6 +229,48 @@ def test_native_path_matches_ring_on_threads(n, chunk, dtype, seed):
         assert (fl_rs, fl_ag) == (l_rs, l_ag)
         assert fl_rs == expected_ledger(["reduce_scatter"], n, chunk, dtype)
         assert fl_ag == expected_ledger(["all_gather"], n, chunk, dtype)
+        for a, b in zip(out["in flight"], (frs, fag)):  # torch's async_op: the same sums, at the wait
+            assert_bits_equal(a, b)
+
+
+def _in_flight(comm, write):
+    """An all-reduce started in flight, its output read before the wait and (write=True) its
+    input written before it; the flight record seen before and after."""
+    comm.native = True
+    x = torch.full((6,), comm.rank + 1.0)
+    with ops.in_flight(comm) as pending:
+        y = ops.all_reduce(x, comm)
+    rec, early = comm.flight.records[-1], y.clone()
+    running = (rec[flight.T1] is None, comm.flight.current)
+    if write:
+        x.add_(1)
+    pending.wait()
+    pending.wait()  # (nothing left: a second wait is a no-op, as the engine's drain may make one)
+    return early, y, running, rec[flight.T1] is not None, comm.flight.current
+
+
+def test_in_flight_is_modelled_as_strictly_as_a_transport_may_run_it():
+    """On threads a native collective in flight meets its peers at the wait: until then its
+    output holds NaN (a read before the wait shows in the result) and writing its input
+    raises, so the engine's overlap on torch's collectives is proven here as NCCL runs it.
+    Its flight record stays open, outside the rank's current collective, until the wait."""
+    for early, y, running, ended, current in launch.run_threads(_in_flight, 3, False):
+        assert early.isnan().all() and torch.equal(y, torch.full((6,), 6.0))
+        assert running == (True, None) and ended and current is None
+    _expect_failure(lambda: launch.run_threads(_in_flight, 3, True), "input of a native all_reduce in flight "
+                    "was written before its wait")
+
+
+def test_a_stall_in_flight_names_the_collective_waited_for():
+    def fn(comm):
+        comm.native = True
+        with ops.in_flight(comm) as pending:
+            ops.all_gather(torch.ones(2), comm)
+        if comm.rank == 1:
+            time.sleep(3)  # rank 1 waits late: rank 0, waiting, is in that all-gather
+            raise KeyError("rank 1 gives up")
+        pending.wait()
+    _expect_failure(lambda: launch.run_threads(fn, 2, timeout=1.0), "rank 0: in #0 all_gather of 2 float32")
 
 
 # -----------------------------------------------------------------------------
@@ -488,6 +535,8 @@ def test_processes_match_threads(tmp_path):
             for c in range(PROC_N):
                 assert_sum_close(far.view(PROC_N, -1)[c], xs, c, dtype)
             assert_bits_equal(far_in_place, far)  # out=x: the same sum, in x
+            for a, b in zip(pc["in flight"], pc[True][:4]):  # started together (async_op), the same sums
+                assert_bits_equal(a, b)
             assert_bits_equal(pc[False][3], pc[False][2])
             assert pc[True][4:] == tc[True][4:] == pc[False][4:]
             assert pc[False][4:] == (expected_ledger(["reduce_scatter"], PROC_N, chunk, dtype),
