@@ -49,11 +49,13 @@ class ThreadWorld:
     reaches it as comm.world)."""
 
     def __init__(self, world_size, timeout, device, strict=False):
-        self.world_size, self.timeout, self.device = world_size, timeout, device
-        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
+        self.world_size = world_size  # the number of rank threads
+        self.timeout = timeout        # seconds a rank waits for a message or a meeting before it stops
+        self.device = device          # where every rank computes (the CPU, or one shared GPU)
+        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}  # src -> dst
         self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
         self.lock = threading.Lock()  # (ranks create meetings on first use)
-        self.failed = threading.Event()
+        self.failed = threading.Event()  # set once any rank failed: the others give up instead of waiting
         self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
         self.flights = [None] * world_size  # each rank's flight record, read by whoever diagnoses
 

@@ -62,7 +62,8 @@ def train(comm, stage, kw, steps, phase):
 
 
 CASES = {"fp32": {}, "bf16, accumulation, clipping": dict(dtype=torch.bfloat16, grad_accum=2, clip=0.5),
-         "fp16 loss scale, no overlap": dict(dtype=torch.float16, overlap=False)}
+         "fp16 loss scale, no overlap": dict(dtype=torch.float16, overlap=False),
+         "torch's collectives, in flight": dict(native=True)}
 
 
 @pytest.mark.parametrize("case", CASES)
