@@ -119,10 +119,12 @@ class Engine:
         which runs jobs in the order submitted, so they pair up across ranks (flight.py records them).
         torch's own collectives start right here instead and finish at their wait (ops.in_flight,
         as DDP's and FSDP2's do), where each job is one collective whose result nothing reads
-        before then: not accumulation's later micro-batches (they add to the sum), nor hybrid's."""
+        before then: not accumulation's later micro-batches (they add to the sum), nor hybrid's,
+        nor with headers (check=True), which make each start a round trip to the peers."""
         grad = torch.is_grad_enabled() or phase == "gradient reduction"  # (a reduction is the same collective
         job = self.comm.flight.within((phase, u.index if u else -1, self.t, self.micro, grad), job)  # in autograd or after)
-        if self.pool is not None and self.comm.native and self.replicas.world_size == 1 and self.micro == 0:
+        if self.pool is not None and self.comm.native and not getattr(self.comm, "check", False) \
+                and self.replicas.world_size == 1 and self.micro == 0:
             with in_flight(self.comm) as pending:
                 job()
             self.last = pending
