@@ -12,7 +12,8 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
 
 Timing: ONE world builds every variant from the same initial weights (each with its own
 fp32 AdamW), warms each up, then interleaves: every rep runs a few steps of every variant
-(in an order that rotates), so machine noise hits all alike; each variant's first step in a
+(in an order that rotates, reversed every other rep, so that of two rows compared each
+runs first as often), so machine noise hits all alike; each variant's first step in a
 rep is untimed (its state back in cache, as in a run that trains one model: cold, a variant
 paid for the 15 others run since). A step's time is the slowest
 rank's; the table shows medians over reps, a ratio the median of the ratios within a rep
@@ -92,7 +93,7 @@ OFFLOAD_DIR = os.path.join(tempfile.gettempdir(), "minizero-bench-offload")  # (
 def variants(quick):
     ours = lambda s, native, ov=True: Variant(f"stage{s}-{'native' if native else 'ring'}{'' if ov else '-noovl'}",
                                               "zero", s, native, ov)  # noqa: E731
-    # the rows a summary ratio compares come one after the other (a rep rotates the order)
+    # the rows a summary ratio compares come one after the other (a rep rotates the order, or reverses it)
     rows = [Variant("torch-ddp", "ddp"), ours(0, True), ours(0, False), Variant("stage3-ring-disk", "zero", 3,
             offload="disk"), ours(3, False), ours(3, True, False), ours(3, True), Variant("torch-fsdp2", "fsdp2")]
     unrecorded = [Variant(f"stage{s}-ring-norec", "zero", s, record=False) for s in (0, 3)]
@@ -280,7 +281,8 @@ def time_world(comm, cfg):
         out[v.name]["numel"] = engine.numel() if engine is not None else None
     pairs = list(zip(cfg.variants, built))
     for rep in range(cfg.reps):
-        for v, (step, _) in pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]:
+        order = pairs[rep % len(pairs):] + pairs[:rep % len(pairs)]
+        for v, (step, _) in order[::-1] if rep % 2 else order:  # (each of two neighbours first as often)
             run(v, step, 1)  # untimed: the variant's state back in cache
             dist.barrier()  # line the ranks up outside the timed window
             t0, c0 = time.perf_counter(), time.process_time()
