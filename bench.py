@@ -45,11 +45,11 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import flight
-import launch
+from minizero_lib import flight
+from minizero_lib import launch
 import minizero
-import plots
-import stages
+from minizero_lib import plots
+from minizero_lib import stages
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20

@@ -17,7 +17,7 @@ settings.register_profile("quick", max_examples=20, derandomize=True, **common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 if os.environ.get("MINIZERO_STRICT_P2P") == "1":
-    import launch
+    from minizero_lib import launch
 
     _run_threads = launch.run_threads
     launch.run_threads = lambda fn, world_size, *args, **kw: _run_threads(fn, world_size, *args,

@@ -16,11 +16,11 @@ ZeRO stages 1, 2 and 3, on PyTorch. This file is the library's face, above its l
 """
 import sys
 
-from check import check  # noqa: F401
-from checkpoint import consolidate, read_checkpoint  # noqa: F401
-from engine import Engine  # noqa: F401
-from stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, peak_memory  # noqa: F401 (the formulas)
+from minizero_lib.check import check  # noqa: F401
+from minizero_lib.checkpoint import consolidate, read_checkpoint  # noqa: F401
+from minizero_lib.engine import Engine  # noqa: F401
+from minizero_lib.stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, peak_memory  # noqa: F401 (the formulas)
 
 if __name__ == "__main__":  # the planner, consolidate and check
-    from cli import main
+    from minizero_lib.cli import main
     main(sys.argv[1:])

@@ -34,8 +34,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-import flight
-from flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed  # noqa: F401
+from minizero_lib import flight
+from minizero_lib.flight import DTYPE_CODE, FAILED, CollectiveMismatch, CollectiveStall, Flight, PeerFailed  # noqa: F401
 
 
 def _describe(kind, t):  # at most 64 characters: it travels as the processes' header

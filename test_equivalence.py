@@ -34,10 +34,10 @@ import torch.nn.functional as F
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-import check
-import engine
+from minizero_lib import check
+from minizero_lib import engine
 import minizero
-import launch
+from minizero_lib import launch
 import ops
 
 torch.set_num_threads(1)  # ranks are threads: keep each one's kernels single-threaded

@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
+from minizero_lib import checkpoint
 import minizero
-import launch
+from minizero_lib import launch
 import ops
-from ds_config import grad_accum_for, parse_ds_config, read_json
+from minizero_lib.ds_config import grad_accum_for, parse_ds_config, read_json
 
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT, without dropout (so ranks and stages stay bit-comparable)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-import ds_config
-import launch
+from minizero_lib import ds_config
+from minizero_lib import launch
 import train_gpt as tg
 
 

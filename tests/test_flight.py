@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import bench
 import minizero
-import launch
+from minizero_lib import launch
 import ops
 from train_gpt import GPT, GPTConfig
 

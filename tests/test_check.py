@@ -14,12 +14,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import cli
-import check
-import engine
+from minizero_lib import cli
+from minizero_lib import check
+from minizero_lib import engine
 import minizero
-import optimizers
-import stages
+from minizero_lib import optimizers
+from minizero_lib import stages
 
 torch.set_num_threads(1)
 

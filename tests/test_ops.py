@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-import launch
+from minizero_lib import launch
 import ops
 
 torch.set_num_threads(1)

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import cli
+from minizero_lib import cli
 import minizero
-import launch
+from minizero_lib import launch
 import ops
 import train_gpt as tg
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 TINY = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "2",
         "--eval-iters", "1", "--sample-tokens", "1"]
 
@@ -280,17 +280,21 @@ def test_gpu_check_cpu_mode_hides_the_gpus(tmp_path):
 
 
 def test_pip_install_ships_every_module_the_library_imports():
-    """`pip install .` (not -e) ships only pyproject's py-modules: a module they import that
-    is missing there installs a minizero whose Engine fails to import."""
+    """`pip install .` (not -e) ships only pyproject's py-modules and its one package: a
+    module they import that is missing there installs a minizero whose Engine fails to import."""
     with open(os.path.join(HERE, "pyproject.toml")) as f:
-        listed = set(re.findall(r'"(\w+)"', re.search(r"py-modules = \[(.*?)\]", f.read()).group(1)))
-    local = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")}
-    for name in listed:
-        with open(os.path.join(HERE, name + ".py")) as f:
+        text = f.read()
+    listed = set(re.findall(r'"(\w+)"', re.search(r"py-modules = \[(.*?)\]", text).group(1)))
+    package = re.search(r'packages = \["(\w+)"\]', text).group(1)
+    local = {f[:-3] for f in os.listdir(HERE) if f.endswith(".py")} | {package}
+    files = [name + ".py" for name in listed] + [os.path.join(package, f)
+                                                  for f in os.listdir(os.path.join(HERE, package)) if f.endswith(".py")]
+    for name in files:
+        with open(os.path.join(HERE, name)) as f:
             tree = ast.parse(f.read())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
                    {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert imported & local <= listed, f"{name}.py imports {sorted(imported & local - listed)}: add to py-modules"
+        assert imported & local <= listed | {package}, f"{name} imports {sorted(imported & local - listed)}"
 
 
 @pytest.mark.parametrize("optimizer, k, gathered", [("adamw", 12, 0), ("sgd", 8, 0), ("muon", 8, 2), ("adafactor", 4, 8)])

@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-import cli
-import launch
+from minizero_lib import cli
+from minizero_lib import launch
 import minizero
 import ops
-import optimizers
+from minizero_lib import optimizers
 from test_equivalence import FIXED, assert_same, make
 
 torch.set_num_threads(1)

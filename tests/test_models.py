@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
-import launch
-from check import _perturb
+from minizero_lib import launch
+from minizero_lib.check import _perturb
 
 torch.set_num_threads(1)
 V, D = 13, 8  # vocabulary and width of every model here

@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-import checkpoint
-from stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
-from optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
+from minizero_lib import checkpoint
+from minizero_lib.stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
+from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
 
@@ -234,7 +234,7 @@ def consolidate_main(args):
 
 def check_main(argv):
     """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
-    import check  # (only this command needs the engine)
+    from minizero_lib import check  # (only this command needs the engine)
     ap = argparse.ArgumentParser(prog="python minizero.py check", description=check.__doc__.split("\n\n")[0])
     ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
                                  "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")

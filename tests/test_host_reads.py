@@ -10,8 +10,8 @@ import threading
 import pytest
 import torch
 
-import engine
-import launch
+from minizero_lib import engine
+from minizero_lib import launch
 from minizero import Engine
 from train_gpt import GPT, GPTConfig
 

@@ -9,10 +9,10 @@ N/S replicas: read N as S in the table, plus the all-reduce.
 import pytest
 import torch
 
-import launch
+from minizero_lib import launch
 import ops
-import optimizers
-import stages as mz
+from minizero_lib import optimizers
+from minizero_lib import stages as mz
 
 torch.set_num_threads(1)
 LR, WD = 0.05, 0.1

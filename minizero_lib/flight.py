@@ -38,7 +38,10 @@ KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint"
 DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
               torch.int32: 6, torch.uint8: 7, torch.bool: 8}
 _CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
-OURS = {f"{m}.py" for m in ("ops", "launch", "flight", "engine", "stages", "minizero", "offload", "checkpoint")}
+# minizero's own files: the package, and ops.py and minizero.py beside it (by path: a user's
+# engine.py is the user's)
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+OURS = {os.path.join(os.path.dirname(_PACKAGE), f) for f in ("ops.py", "minizero.py")}
 
 
 def code(kind):
@@ -151,7 +154,7 @@ def call_site(ident):
     site = None
     while frame is not None:
         f = frame.f_code.co_filename
-        if os.path.basename(f) not in OURS and f"{os.sep}torch{os.sep}" not in f and \
+        if os.path.dirname(os.path.abspath(f)) != _PACKAGE and os.path.abspath(f) not in OURS and f"{os.sep}torch{os.sep}" not in f and \
                 f"{os.sep}concurrent{os.sep}" not in f and not f.endswith(("threading.py", "queue.py")):
             line = linecache.getline(f, frame.f_lineno).strip()
             return f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"

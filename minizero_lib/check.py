@@ -51,12 +51,12 @@ from typing import Optional
 
 import torch
 
-import launch
-import referee as judge  # (check()'s own `referee` is a flag)
-from checkpoint import read_state
-from engine import Engine
-from optimizers import state_numel, whole_numel
-from stages import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
+from minizero_lib import launch
+from minizero_lib import referee as judge  # (check()'s own `referee` is a flag)
+from minizero_lib.checkpoint import read_state
+from minizero_lib.engine import Engine
+from minizero_lib.optimizers import state_numel, whole_numel
+from minizero_lib.stages import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
                       offloaded_bytes)
 
 KEPT = ("reduce_scatter", "all_gather", "all_reduce", "optimizer")  # the kinds the formula speaks of

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from ops import all_gather, all_reduce, broadcast, check_same, reduce_scatter
-from optimizers import GATHERED, WHOLE, state_keys, state_layout, update
+from minizero_lib.optimizers import GATHERED, WHOLE, state_keys, state_layout, update
 
 
 # -----------------------------------------------------------------------------

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import flight
-import nccl_model
+from minizero_lib import flight
+from minizero_lib import nccl_model
 import ops
-from flight import PeerFailed, call_site
+from minizero_lib.flight import PeerFailed, call_site
 
 
 def _check_world_size(world_size):

@@ -10,9 +10,9 @@ import copy
 
 import torch
 
-import check
-from stages import cast_floats
-from optimizers import OPTIMIZERS, optimizer_options
+from minizero_lib import check
+from minizero_lib.stages import cast_floats
+from minizero_lib.optimizers import OPTIMIZERS, optimizer_options
 
 
 # -----------------------------------------------------------------------------

@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 import torch
 
-from launch import remove_at_end
-from stages import gather_whole, share_params
+from minizero_lib.launch import remove_at_end
+from minizero_lib.stages import gather_whole, share_params
 from ops import all_gather
-from optimizers import runs, update
+from minizero_lib.optimizers import runs, update
 
 F32 = 4  # bytes per element of master and the state
 

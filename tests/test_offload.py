@@ -15,11 +15,11 @@ import textwrap
 import pytest
 import torch
 
-import checkpoint
-import cli
+from minizero_lib import checkpoint
+from minizero_lib import cli
 import minizero
-import offload
-import launch
+from minizero_lib import offload
+from minizero_lib import launch
 from test_checkpoint import case, train
 from test_equivalence import assert_same, make
 
@@ -160,7 +160,8 @@ def test_resume_with_offload_on_or_off_is_bit_for_bit(tmp_path, first, then):
 
 def test_offload_files_go_at_normal_exit(tmp_path):
     script = textwrap.dedent(f"""
-        import torch, minizero, launch
+        import torch, minizero
+        from minizero_lib import launch
         keep = []  # every rank's engine, alive until the interpreter exits: no close() is called
         def body(comm):
             keep.append(minizero.Engine(torch.nn.Linear(4, 4), comm, 2, offload="disk", offload_dir={str(tmp_path)!r}))
@@ -169,7 +170,7 @@ def test_offload_files_go_at_normal_exit(tmp_path):
         print(launch.run_threads(body, 2))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[1, 1]"  # each rank had its one unit's file while it ran
     assert offload_files(tmp_path) == []

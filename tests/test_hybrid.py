@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import check
-import cli
-import engine
+from minizero_lib import check
+from minizero_lib import cli
+from minizero_lib import engine
 import minizero
-import launch
+from minizero_lib import launch
 import ops
 from test_checkpoint import case, logical, train
 from test_equivalence import FIXED, Net, assert_same, cases, make, on_gloo, run_check

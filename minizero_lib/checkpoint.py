@@ -30,7 +30,7 @@ import os
 import torch
 
 from ops import PeerFailed, all_gather, broadcast
-from optimizers import state_layout
+from minizero_lib.optimizers import state_layout
 
 FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
 ADAMW = {"kind": "adamw", "state": {"m": None, "v": None}}  # a parameter of a checkpoint that names no optimizer

@@ -16,15 +16,15 @@ import weakref
 
 import torch
 
-import checkpoint
-from flight import Tracer
-from checkpoint import write_master
-from stages import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
+from minizero_lib import checkpoint
+from minizero_lib.flight import Tracer
+from minizero_lib.checkpoint import write_master
+from minizero_lib.stages import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
                       ddp_reduce, ddp_update, default_units, gather_params, group_params, held_bytes, materialize,
                       meta_owners, model_state_bytes, offloaded_bytes, offloaded_held, reduce_grads, release_params,
                       sharded, tensors, zero_update)
-from offload import check_offload, disk_update, placement
-from optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
+from minizero_lib.offload import check_offload, disk_update, placement
+from minizero_lib.optimizers import Hyper, choose_updates, optimizer_options, runs, state_numel, whole_numel
 from ops import Pending, all_gather, broadcast, comm_thread, in_flight, split
 
 

@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cli
-import checkpoint
-import launch
+from minizero_lib import cli
+from minizero_lib import checkpoint
+from minizero_lib import launch
 import minizero
 from test_equivalence import DTYPES, FIXED, Net, assert_same, make
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import flight
-import launch
+from minizero_lib import flight
+from minizero_lib import launch
 import ops
 from test_ops import _expect_failure, _planted, assert_bits_equal
 
