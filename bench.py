@@ -49,7 +49,7 @@ from minizero_lib import flight
 from minizero_lib import launch
 import minizero
 from minizero_lib import plots
-from minizero_lib import stages
+from minizero_lib import user_model
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20
@@ -411,7 +411,7 @@ def traced_world(comm, cfg, trace_dir):
     """Three stage-3 steps of the timing table's GPT with Engine(trace=...): its first three."""
     torch.set_num_threads(1)
     step, engine = build(Variant("stage3-ring", "zero", 3), comm, gpt_config(cfg))
-    flight.Tracer(trace_dir, comm, engine.units, stages.tensors)  # (build() makes the engine; this is trace=trace_dir)
+    flight.Tracer(trace_dir, comm, engine.units, user_model.tensors)  # (build() makes the engine; this is trace=trace_dir)
     for x, y in batches(cfg, comm.rank, 3):
         step(x, y)
     engine.close()

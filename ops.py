@@ -116,6 +116,7 @@ class ThreadComm:
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.native = False  # torch's own collectives instead of the ring
+        self.headers = False  # messages carry no checked headers (the queues check their own)
         self.flying = None  # inside in_flight(): the waits of the native collectives started there
         self.device = world.device
         self.flight = world.flights[rank] = Flight(rank)  # the last collectives (flight.py)
@@ -238,6 +239,7 @@ class ProcessComm:
     def __init__(self, timeout=120.0, check=True, native=False, store=None):
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout, self.check, self.native = timedelta(seconds=timeout), check, native
+        self.headers = check  # messages carry checked headers
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
         self.groups = {}  # ranks -> torch's process group of them, for native collectives in a Group
@@ -364,6 +366,10 @@ class Group:
         self.rank = self.ranks.index(comm.rank)  # this rank's place in the group
         self.world_size = len(self.ranks)
         self.sent, self.sent_to, self.device = comm.sent, comm.sent_to, comm.device
+
+    @property
+    def headers(self):  # whether the whole world's messages carry checked headers
+        return self.comm.headers
 
     @property
     def native(self):  # the whole world's choice (Engine(native=...) sets it there)

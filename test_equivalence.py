@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 from minizero_lib import check
 from minizero_lib import engine
+from minizero_lib import overlap
 import minizero
 from minizero_lib import launch
 import ops
@@ -224,14 +225,14 @@ def test_native_overlap_starts_collectives_in_flight_with_the_bits_of_waiting(mo
     threads its output is NaN until the wait), and gives the bits of overlap=False, where each
     finishes at once: nothing goes to the communication thread in a micro-batch whose jobs
     are one collective each (the first), the later ones of accumulation (adding to the sum) do."""
-    jobs, real = [], engine.comm_thread
+    jobs, real = [], overlap.comm_thread
 
     def counted(comm):  # the communication thread, counting its jobs
         pool = real(comm)
         submit = pool.submit
         pool.submit = lambda job: (jobs.append(comm.rank), submit(job))[1]
         return pool
-    monkeypatch.setattr(engine, "comm_thread", counted)
+    monkeypatch.setattr(overlap, "comm_thread", counted)
     model_spec = lambda **kw: dict(_spec(FIXED[0]), engine_kw=dict(FIXED[0]["engine"], native=True, **kw))  # noqa: E731
     for stage in (0, 3):
         for accum in (1, 2):

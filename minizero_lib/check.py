@@ -56,8 +56,9 @@ from minizero_lib import referee as judge  # (check()'s own `referee` is a flag)
 from minizero_lib.checkpoint import read_state
 from minizero_lib.engine import Engine
 from minizero_lib.optimizers import state_numel, whole_numel
-from minizero_lib.stages import (comm_bytes_per_step, default_units, group_params, map_tensors, model_state_bytes,
-                      offloaded_bytes)
+from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero_lib.stages import default_units, group_params
+from minizero_lib.user_model import map_tensors
 
 KEPT = ("reduce_scatter", "all_gather", "all_reduce", "optimizer")  # the kinds the formula speaks of
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
@@ -322,7 +323,7 @@ def _rank(comm, stage, spec):
     # (a unit's layout, and where this rank's chunk starts in it)
     layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
               for u in engine.units]
-    kinds = {n: k for u in engine.units for n, k in zip(u.names, u.kinds)}  # the update each param gets
+    kinds = {n: k for u in engine.units for n, k in zip(u.names, u.rules)}  # the update each param gets
     out = dict(layout=layout, kinds=kinds, shard_size=engine.shards.world_size, grad_accum=engine.grad_accum,
                initial=engine.full_state_dict(), hist=[], **formula)
     for step in range(spec["steps"]):
@@ -337,7 +338,7 @@ def _rank(comm, stage, spec):
             read.append(seen[:])
             seen.clear()
         memory = _memory(engine.memory(), engine.offloaded())  # measured with the reduced shards alive
-        scale, steps_before = engine.scale, [list(u.steps) for u in engine.units]
+        scale, steps_before = engine.scaler.scale, [list(u.steps) for u in engine.units]
         stepped = engine.step()
         sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
         kept.append(_kept_too_much(engine))
@@ -407,11 +408,11 @@ def _to(batch, device):
 def _kept_too_much(engine):
     """What a stage promises not to keep between its sync points, if it keeps it anyway."""
     for u in engine.units:
-        if engine.sharded["grads"] and (u.local is not None or any(p.grad is not None for p in u.params)):
+        if engine.sharded["grads"] and (u.bucket is not None or any(p.grad is not None for p in u.params)):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"
-        if engine.micro == 0 and (u.reduced is not None or u.full_grad is not None):
+        if engine.micro == 0 and (u.reduced is not None or u.reduced_full is not None):
             return f"{u.names[0]}'s reduced gradient survived the step"
     return None
 

@@ -106,7 +106,7 @@ def my_state(engine, u, k):
     st = read_state(engine, u)
     q = u.padded // engine.comm.world_size
     start = k * q - (engine.shards.rank * u.shard_size if engine.sharded["optimizer"] else 0)
-    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.kinds, u.keys, k * q, k * q + q)
+    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.rules, u.keys, k * q, k * q + q)
     state = from_params(pieces, u.keys, sizes, to_params(u.pieces, u.keys, st, [p.numel() for p in u.params]))
     return {"master": st["master"][start:start + q], **state}
 
@@ -139,8 +139,8 @@ def manifest(engine, tag, digests):
     aliases, state = {}, engine.model.state_dict(keep_vars=True)
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
-    return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scale,
-            "clean_steps": engine.clean_steps, "world_size": engine.comm.world_size,
+    return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scaler.scale,
+            "clean_steps": engine.scaler.clean_steps, "world_size": engine.comm.world_size,
             "shard_size": engine.shards.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "optimizer": engine.optimizer,
@@ -149,7 +149,7 @@ def manifest(engine, tag, digests):
             "units": [{"numel": u.numel, "padded": u.padded,
                        "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o,
                                    "steps": t, "kind": kind, "state": keys}
-                                  for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets, u.steps, u.kinds,
+                                  for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets, u.steps, u.rules,
                                                                     u.keys)]}
                       for u in engine.units],
             "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
@@ -171,7 +171,7 @@ def load(engine, path):
     _check_same(path, {n: list(t.shape) for n, t in fixed.items()},
                 {n: list(t.shape) for n, t in extra.items()}, "frozen parameter or buffer")
     for u in engine.units:
-        for n, kind, keys in zip(u.names, u.kinds, u.keys):
+        for n, kind, keys in zip(u.names, u.rules, u.keys):
             if (params[n]["kind"], params[n]["state"]) != (kind, keys):
                 raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
                                  f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
@@ -190,7 +190,7 @@ def load(engine, path):
             u.flat.copy_(master)  # the live parameters, all of them
     for n, t in fixed.items():
         t.data.copy_(extra[n])
-    engine.t, engine.scale, engine.clean_steps = m["step"], m["scale"], m["clean_steps"]
+    engine.t, engine.scaler.scale, engine.scaler.clean_steps = m["step"], m["scale"], m["clean_steps"]
     return m.get("meta")
 
 

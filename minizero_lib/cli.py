@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 
 from minizero_lib import checkpoint
-from minizero_lib.stages import comm_bytes_per_step, model_state_bytes, offloaded_bytes, sharded
+from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero_lib.stages import sharded
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
@@ -82,12 +83,12 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
         raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
     rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
-    k, whole = STATE_PER_PARAM[optimizer], {optimizer: numel} if optimizer in GATHERED else None
+    k, gathered = STATE_PER_PARAM[optimizer], {optimizer: numel} if optimizer in GATHERED else None
     for stage in range(4):
         off = offload if stage else None  # stage 0 keeps the whole state on the device
         state = lambda n: k * n // (world_size if sharded(stage)["optimizer"] else 1)  # noqa: E731
         b = model_state_bytes(numel, world_size, stage, dtype, off, state=state(numel))
-        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype, whole=whole).values())
+        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype, whole_numel=gathered).values())
         gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
         gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off, state=state(numel)).values())] \
             if offload else []

@@ -52,13 +52,25 @@ class Place(NamedTuple):
     params: str = "device"  # stage 3's 16-bit shard: "device" or "cpu"
     pin: bool = False       # host memory pinned, for fast copies to and from a GPU
     disk: object = None     # with state "disk": the DiskState that holds them
-    index: int = 0          # the unit's number (its file's name)
 
     def host(self, t, where):
         if where != "cpu":
             return t
         t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
         return t.pin_memory() if self.pin else t
+
+    def optimizer_state(self, index, mine, dtype, sizes):
+        """Unit `index`'s fp32 master of `mine` (this rank's range of its params) and its zero
+        optimizer state ({key: elements} sizes), where they live -> (master, state): on the
+        device (fp32 compute: the params are the master), in host memory, or on disk (None,
+        None: they are in the unit's file)."""
+        own = dtype != torch.float32 or self.state != "device"
+        master = self.host(mine.float(), self.state) if own else mine
+        state = {k: torch.zeros(n, device=master.device) for k, n in sizes.items()}
+        if self.state != "disk":
+            return master, state
+        self.disk.add(index, {"master": master, **state})
+        return None, None
 
 
 def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
@@ -175,36 +187,38 @@ class DiskState:
         self.closer()
 
 
-def disk_update(engine, hp):
+def disk_update(units, disk, group, device, hp, comm, t):
     """Engine.step() for stages 1-3 with the optimizer state on disk. Each unit's master
     and state stream in (the next unit's read runs alongside), are updated on the host
     (optimizers.update) and stream out to the files' other slot. Only once every rank has
     written every unit (one small collective) do the slots swap and the params follow,
     as in zero_update (share_params): a failed write (a full disk) leaves params, moments
-    and step counts (this step's increments taken back) as they were."""
-    disk, units, error = engine.disk, engine.units, ""
+    and step counts (step t+1's increments taken back) as they were, and raises."""
+    error = ""
     try:
         for i, state in disk.stream(range(len(units))):
             u = units[i]
-            gather = gather_whole(engine.shards, engine.device) if u.whole else None
-            update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced, runs(u, hp), hp,
-                   u.whole, gather, engine.device)
+            gather = gather_whole(group, device) if u.whole_rule else None
+            update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced,
+                   runs(u, hp), hp, u.whole_rule, gather, device)
             disk.write(i, state)
         disk.finish()
     except OSError as e:
         error = str(e)
-    done = all_gather(torch.tensor([0.0 if error else 1.0], device=engine.device), engine.comm, kind="offload")
+    # one flag per rank: did every unit's write land?
+    done = all_gather(torch.tensor([0.0 if error else 1.0], device=device), comm, kind="offload")
     if not done.all():
         for u in units:
-            u.steps = [t - used for t, used in zip(u.steps, u.used)]
-        engine._drop_grads()
+            u.steps = [s - used for s, used in zip(u.steps, u.used)]
+            u.drop_grads()
         failed = [k for k, x in enumerate(done.tolist()) if not x]
-        raise RuntimeError(f"step {engine.t + 1} not taken: rank(s) {failed} could not write the offloaded "
-                           f"optimizer state to {disk.folder} ({error or 'see that rank'}); params, moments "
-                           f"and step counts are as they were. Free space there and train on")
+        raise RuntimeError(f"step {t + 1} not taken: rank(s) {failed} could not write the "
+                           f"offloaded optimizer state to {disk.folder} ({error or 'see that rank'}); "
+                           f"params, moments and step counts are as they were. Free space there "
+                           f"and train on")
     disk.commit()
     for i, state in disk.stream(range(len(units)), count=1):
-        share_params(state["master"], engine.shards, units[i].flat, units[i].shard)
+        share_params(state["master"], group, units[i].flat, units[i].shard)
 
 
 def _pwrite(fd, t, offset):

@@ -57,7 +57,7 @@ def optimizer_options(optimizer, options):
     return o
 
 
-def choose_updates(model, optimizer, options):
+def choose_rules(model, optimizer, options):
     """fn(name, param) -> the update it gets: the optimizer's own, except that "muon" gives
     Muon to the params options["muon"](name, p) selects (default, the Muon recipe: every 2-D
     weight of an nn.Linear not tied to an nn.Embedding) and AdamW to the rest."""
@@ -67,20 +67,20 @@ def choose_updates(model, optimizer, options):
     embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     pick = options["muon"] or (lambda n, p: id(p) in linear and id(p) not in embedding and p.dim() == 2)
 
-    def kind(n, p):
+    def rule(n, p):
         if pick(n, p) and p.dim() != 2:
             raise ValueError(f"muon= selects {n} of shape {tuple(p.shape)}, but Muon updates 2-D matrices only; "
                              f"leave it to AdamW (muon=fn returning False for it)")
         return "muon" if pick(n, p) else "adamw"
-    return kind
+    return rule
 
 
-def state_keys(kind, shape, options):
+def state_keys(rule, shape, options):
     """One parameter's optimizer state: {key: None (elementwise, one value per element, cut
     like master) or the element count of a whole-tensor state}, torch.optim's names."""
-    if kind == "adamw":
+    if rule == "adamw":
         return {"m": None, "v": None}
-    if kind in ("sgd", "muon"):
+    if rule in ("sgd", "muon"):
         return {"momentum_buffer": None} if options["momentum"] else {}
     n = math.prod(shape)  # adafactor: factored second moments of a matrix, whole ones of a vector
     if len(shape) > 1:
@@ -91,7 +91,7 @@ def state_keys(kind, shape, options):
 class Piece(NamedTuple):
     """One parameter's part of a range [lo, hi) of its unit."""
     i: int         # the parameter's index in its unit
-    kind: str      # the update it gets (choose_updates)
+    rule: str      # the update it gets (choose_rules)
     shape: tuple   # its shape
     o: int         # where the whole parameter starts in the unit
     lo: int        # where the range starts in the unit
@@ -101,7 +101,7 @@ class Piece(NamedTuple):
     decays: tuple = ()  # the [a, b) parts of it whose parameters decay (runs)
 
 
-def state_layout(offsets, shapes, kinds, keys, lo, hi):
+def state_layout(offsets, shapes, rules, keys, lo, hi):
     """The parameters inside elements [lo, hi) of a unit (one Piece each), and per key the
     element count of the range's state tensor. An elementwise key every parameter has spans
     the whole range, padding too (AdamW's m and v are master's twins); one only some have
@@ -110,19 +110,19 @@ def state_layout(offsets, shapes, kinds, keys, lo, hi):
     full = set.intersection(*({k for k, w in ks.items() if w is None} for ks in keys)) if keys else set()
     sizes = {k: (hi - lo if k in full else 0) for ks in keys for k in ks}
     pieces = []
-    for i, (o, shape, kind, ks) in enumerate(zip(offsets, shapes, kinds, keys)):
+    for i, (o, shape, rule, ks) in enumerate(zip(offsets, shapes, rules, keys)):
         a, b = max(o, lo) - lo, min(o + math.prod(shape), hi) - lo
         if a >= b:
             continue
         at = {}
-        for k, whole in ks.items():
+        for k, count in ks.items():
             if k in full:
                 at[k] = (a, b)
             else:
                 c = sizes[k]
-                at[k] = (c, c + (b - a if whole is None else whole))
+                at[k] = (c, c + (b - a if count is None else count))
                 sizes[k] = at[k][1]
-        pieces.append(Piece(i, kind, tuple(shape), o, lo, a, b, at))
+        pieces.append(Piece(i, rule, tuple(shape), o, lo, a, b, at))
     return pieces, sizes
 
 
@@ -143,8 +143,8 @@ def whole_numel(units):
     """{"muon" or "adafactor": Ψ of the units whose update reads whole tensors}."""
     out = {}
     for u in units:
-        if u.whole:
-            out[u.whole] = out.get(u.whole, 0) + u.padded
+        if u.whole_rule:
+            out[u.whole_rule] = out.get(u.whole_rule, 0) + u.padded
     return out
 
 
@@ -171,8 +171,8 @@ def runs(u, hp):
         if not u.used[p.i]:
             continue
         t, wd = u.steps[p.i], hp.weight_decay if u.decays[p.i] else 0.0
-        p, wd = p._replace(decays=((p.a, p.b),) if wd else ()), hp.weight_decay if p.kind == "adamw" else wd
-        if out and p.kind not in WHOLE and out[-1][0].kind == p.kind and out[-1][1:] == (t, wd) \
+        p, wd = p._replace(decays=((p.a, p.b),) if wd else ()), hp.weight_decay if p.rule == "adamw" else wd
+        if out and p.rule not in WHOLE and out[-1][0].rule == p.rule and out[-1][1:] == (t, wd) \
                 and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
             q = out[-1][0]
             decays = q.decays[:-1] + ((q.decays[-1][0], p.b),) if q.decays and p.decays and q.decays[-1][1] == p.a \
@@ -187,10 +187,10 @@ def runs(u, hp):
 BLOCK = 2 ** 16  # CPU: AdamW makes ~15 passes; over 256 KiB blocks they stay in cache (~2x faster)
 
 
-def update(master, state, grad, steps, hp, whole=None, gather=None, device=None):
+def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=None):
     """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
     grad is the reduced gradient sum there; master and the state tensors (by key) are
-    updated in place. whole: the unit's whole-tensor update ("muon", "adafactor" or None);
+    updated in place. whole_rule: the unit's whole-tensor update ("muon", "adafactor" or None);
     gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
@@ -200,7 +200,7 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
     scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
-        if p.kind == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
+        if p.rule == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
             step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
             decay = scalars(master.device, 1 - hp.lr * wd)[0]
             for lo in range(p.a, p.b, step):
@@ -211,14 +211,14 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
                 tmp = scratch if scratch[0] is None or hi - lo == BLOCK else [x[:hi - lo] for x in scratch]
                 adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j], s["v"][i:j], t,
                       hp.lr, *o["betas"], o["eps"], out=tmp[:2])
-        elif p.kind == "sgd":
+        elif p.rule == "sgd":
             sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp.unscale, coef), s.get("momentum_buffer"), t, hp.lr,
                 o["momentum"], o["nesterov"], wd)
-    g = mean_grad(grad, hp.unscale, coef) if whole else None
-    if whole == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
+    g = mean_grad(grad, hp.unscale, coef) if whole_rule else None
+    if whole_rule == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
         dev = device or master.device  # (lerp is a fused kernel: the host's may round otherwise)
         x = torch.zeros(len(g), dtype=torch.bfloat16, device=dev)
-        mine = [(p, t, wd) for p, t, wd in steps if p.kind == "muon"]
+        mine = [(p, t, wd) for p, t, wd in steps if p.rule == "muon"]
         for p, t, wd in mine:
             c, d = p.at.get("momentum_buffer", (0, 0))
             buf = state["momentum_buffer"][c:d] if d else None
@@ -233,7 +233,7 @@ def update(master, state, grad, steps, hp, whole=None, gather=None, device=None)
             master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
             master[p.a:p.b].add_(ortho.reshape(-1)[w + p.a:w + p.b].to(master.device),
                                  alpha=-muon_lr(o["muon_lr"], o["adjust_lr_fn"], p.shape))
-    elif whole == "adafactor":  # the whole gradient and params (before this step), fp32
+    elif whole_rule == "adafactor":  # the whole gradient and params (before this step), fp32
         gs, ps = gather(g), gather(master)  # stages 1-3: each rank sends (N-1)/N·Ψ_u twice, fp32
         for p, t, wd in steps:  # (offloaded: on the device, as stage 0, and the state back to the host)
             n, w = math.prod(p.shape), p.lo - p.o

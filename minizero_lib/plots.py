@@ -9,7 +9,7 @@ pip install -e ".[plot]"):
 """
 import sys
 
-from minizero_lib.stages import model_state_bytes
+from minizero_lib.formulas import model_state_bytes
 
 MiB = 2 ** 20
 STAGE_COLORS = ("#444444", "#1f77b4", "#2ca02c", "#d62728")

@@ -11,7 +11,7 @@ import copy
 import torch
 
 from minizero_lib import check
-from minizero_lib.stages import cast_floats
+from minizero_lib.user_model import cast_floats
 from minizero_lib.optimizers import OPTIMIZERS, optimizer_options
 
 

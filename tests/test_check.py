@@ -20,6 +20,8 @@ from minizero_lib import engine
 import minizero
 from minizero_lib import optimizers
 from minizero_lib import stages
+from minizero_lib import unit
+from minizero_lib import user_model
 
 torch.set_num_threads(1)
 
@@ -82,8 +84,8 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
     decay = dict(decay=lambda name, p: p.dim() >= 2, weight_decay=0.5)
     assert run(world_sizes=(2,), **decay).ok
     real = engine.Unit
-    monkeypatch.setattr(engine, "Unit", lambda module, named, comm, shards, dtype, sharded, decay, *rest:
-                        real(module, named, comm, shards, dtype, sharded, None, *rest))
+    monkeypatch.setattr(engine, "Unit", lambda index, module, named, comm, shards, dtype, cut, decay, *rest:
+                        real(index, module, named, comm, shards, dtype, cut, None, *rest))
     first = run(world_sizes=(2,), stages=(0,), **decay).first
     assert first.what == "referee-update" and first.name in ("gate", "layers.0.bias", "head.bias", "layers.1.bias")
 
@@ -91,7 +93,7 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
 def test_ranks_start_from_rank_0s_values(monkeypatch):
     """check builds ranks 1.. from other values (every parameter and buffer plus the rank):
     without the unit's initial broadcast (DDP's), the ranks train apart."""
-    monkeypatch.setattr(stages, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
+    monkeypatch.setattr(unit, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
     first = run(world_sizes=(2,), stages=(0, 1)).first
     assert (first.what, first.stage, first.rank, first.step) == ("initial", 0, 1, 0)
     assert first.ours == first.theirs + 1  # rank 1's own value: rank 0's plus one
@@ -154,13 +156,13 @@ def test_a_model_that_draws_from_the_global_rng():
 
 
 def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
-    real = engine.zero_update
+    real = unit.zero_update
 
-    def decays_twice(master, state, reduced, steps, hp, comm, flat, shard, whole=None):
+    def decays_twice(master, state, reduced, steps, hp, comm, flat, shard, whole_rule=None):
         if shard is not None:  # stage 3 only
             master.mul_(1 - hp.lr * hp.weight_decay)
-        return real(master, state, reduced, steps, hp, comm, flat, shard, whole)
-    monkeypatch.setattr(engine, "zero_update", decays_twice)
+        return real(master, state, reduced, steps, hp, comm, flat, shard, whole_rule)
+    monkeypatch.setattr(unit, "zero_update", decays_twice)
     report = run()
     first = report.first
     assert (first.what, first.step, first.stage, first.name) == ("params", 0, 3, "gate")  # the root's own, first
@@ -169,13 +171,13 @@ def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
 
 def test_a_wrong_param_all_gather_on_stages_1_and_2(monkeypatch):
     """The fp32 master is right, the 16-bit params forward reads are not: found at once."""
-    real = engine.zero_update
+    real = unit.zero_update
 
-    def gathers_wrong(master, state, reduced, steps, hp, comm, flat, shard, whole=None):
-        real(master, state, reduced, steps, hp, comm, flat, shard, whole)
+    def gathers_wrong(master, state, reduced, steps, hp, comm, flat, shard, whole_rule=None):
+        real(master, state, reduced, steps, hp, comm, flat, shard, whole_rule)
         if shard is None:
             flat[-1] += 1.0  # each unit's last element; the root's is head.bias[10]
-    monkeypatch.setattr(engine, "zero_update", gathers_wrong)
+    monkeypatch.setattr(unit, "zero_update", gathers_wrong)
     report = run(stages=(0, 1, 2), dtype=torch.bfloat16)  # (in fp32 the master is flat itself)
     first = report.first
     assert (first.what, first.step, first.stage, first.name, first.index) == ("params", 0, 1, "head.bias", 10)
@@ -187,7 +189,7 @@ def test_a_micro_batch_skipped_on_one_rank(monkeypatch):
 
     def forgets(self, u):
         if self.stage == 2 and self.comm.rank == 1 and self.micro == 1:
-            self._bucket(u).zero_()  # rank 1's second micro-batch never reaches the sum
+            u.bucket.zero_()  # rank 1's second micro-batch never reaches the sum
         return real(self, u)
     monkeypatch.setattr(engine.Engine, "_reduce", forgets)
     first = run(grad_accum=2).first
@@ -204,7 +206,7 @@ def test_ranks_that_drift_apart():
 
 def test_batchnorm_agrees_with_the_buffer_broadcast(monkeypatch):
     assert run(model=dict(bn=True)).ok  # rank 0's running stats, broadcast before every forward
-    monkeypatch.setattr(engine.Engine, "_broadcast_buffers", lambda self: None)
+    monkeypatch.setattr(engine, "broadcast_buffers", lambda buffers, comm: None)
     first = run(model=dict(bn=True)).first  # each rank's forward reads its own: the ranks part
     assert (first.what, first.step, first.rank, first.name) == ("ranks", 1, 1, "bn.running_mean (as forward read it)")
 
@@ -307,7 +309,7 @@ def test_batches_in_containers_reach_the_device():
     lists and dicts (here with a function that marks them, as the CPU cannot move them)."""
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": (torch.zeros(2), [torch.zeros(1, dtype=torch.long)]), "b": Pair(torch.ones(1), 3), "c": "text"}
-    out = stages.map_tensors(batch, lambda t: t + 1)
+    out = user_model.map_tensors(batch, lambda t: t + 1)
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too

@@ -265,7 +265,7 @@ def test_damaged_manifest_is_named_and_nothing_is_loaded(saved, damage):
         with pytest.raises(ValueError, match=re.escape(says)):
             engine.load_checkpoint(path)
         assert_same(engine.full_state_dict(), before)
-        return engine.t, engine.scale
+        return engine.t, engine.scaler.scale
     assert launch.run_threads(body, 3) == [(0, 1.0)] * 3
 
 

@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from minizero_lib import engine
+from minizero_lib import unit
 from minizero_lib import launch
 from minizero import Engine
 from train_gpt import GPT, GPTConfig
@@ -79,8 +79,8 @@ def test_one_host_read_per_step_and_none_in_backward(world_size, case):
 
 def test_the_recorder_sees_a_read_in_a_reduction(monkeypatch):
     """A planted read on the communication thread (a loss scale check, say) is counted."""
-    real = engine.ddp_reduce
-    monkeypatch.setattr(engine, "ddp_reduce", lambda local, *a: (local.sum().item(), real(local, *a))[1])
+    real = unit.reduce_grads
+    monkeypatch.setattr(unit, "reduce_grads", lambda local, *a: (local.sum().item(), real(local, *a))[1])
     with recorded() as (counts, phase):
         launch.run_threads(train, 2, 0, {}, 2, phase, device=DEVICE)
     assert counts["comm"] == 2 * 2 * 3, counts  # two ranks, two steps, three units

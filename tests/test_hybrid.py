@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from minizero_lib import check
 from minizero_lib import cli
 from minizero_lib import engine
+from minizero_lib import unit
 import minizero
 from minizero_lib import launch
 import ops
@@ -77,10 +78,9 @@ def test_a_clipping_norm_summed_over_the_replicas_too(monkeypatch):
 
 def test_replicas_that_never_all_reduce(monkeypatch):
     """An (n, 1) mesh's bug: each group trains on its own ranks' gradients only."""
-    real = engine.reduce_grads
-    alone = lambda shards, replicas: ops.Group(replicas.comm, [replicas.comm.rank])  # noqa: E731
-    monkeypatch.setattr(engine, "reduce_grads", lambda local, reduced, shards, replicas, last:
-                        real(local, reduced, shards, alone(shards, replicas), last))
+    alone = lambda replicas: ops.Group(replicas.comm, [replicas.comm.rank])  # noqa: E731
+    real = unit.all_reduce_replicas
+    monkeypatch.setattr(unit, "all_reduce_replicas", lambda reduced, replicas: real(reduced, alone(replicas)))
     report = run_check(BUG, stages=(0, 3))
     assert report.rows[1].first is not None and not report.rows[1].bytes_ok, f"\n{report}"
     assert report.rows[1].first.what in ("grads", "bytes", "ranks"), f"\n{report}"

@@ -140,7 +140,7 @@ def _train_one(comm, stage, model_kw, engine_kw=None, steps=1, poison=None, rout
                 loss = loss * float("nan")
             engine.backward(loss)
         out.append((engine.step(), engine.full_state_dict(), [list(u.steps) for u in engine.units],
-                    engine.skipped))
+                    engine.scaler.skipped))
     return out
 
 
@@ -223,7 +223,7 @@ def test_skips_not_in_a_row_never_reach_the_limit():
             loss = model(**batch(step, comm.rank, 0)).loss
             engine.backward(loss * float("inf") if step % 2 == 0 else loss)
             engine.step()
-        return engine.skipped, engine.t
+        return engine.scaler.skipped, engine.t
     with pytest.warns(UserWarning, match="skipped on every rank"):
         assert launch.run_threads(body, 2) == [(3, 3)] * 2
 
@@ -504,7 +504,7 @@ def test_muon_takes_the_linear_weights_and_adamw_the_rest():
     model = build()
     model.head.weight = model.emb.weight = nn.Parameter(torch.randn(V, D))  # tied: AdamW
     kinds = launch.run_threads(lambda comm: {n: k for u in minizero.Engine(model, comm, 1, optimizer="muon").units
-                                             for n, k in zip(u.names, u.kinds)}, 1)[0]
+                                             for n, k in zip(u.names, u.rules)}, 1)[0]
     assert {n for n, k in kinds.items() if k == "muon"} == {f"blocks.{i}.fc.weight" for i in range(3)}
 
 

@@ -35,7 +35,7 @@ def run(comm, stage, model, batches, kw, poison=None):
             engine.backward(loss)
         stepped = engine.step()
         u = engine.units[0]
-        out.append((stepped, engine.scale, engine.full_state_dict(),
+        out.append((stepped, engine.scaler.scale, engine.full_state_dict(),
                     ops.all_gather(u.state["m"], comm) if stage else u.state["m"].clone(), engine.t))
     return out
 

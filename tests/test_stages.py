@@ -12,6 +12,7 @@ import torch
 from minizero_lib import launch
 import ops
 from minizero_lib import optimizers
+from minizero_lib import formulas
 from minizero_lib import stages as mz
 
 torch.set_num_threads(1)
@@ -47,10 +48,18 @@ def rank_world(comm, numel, dtype, S):
         sent[key, "to"] = {k: v - before_to.get(k, 0) for k, v in comm.sent_to.items() if v != before_to.get(k, 0)}
         return result
 
+    def reduce():  # every stage: reduce-scatter in the group; hybrid: then across the copies
+        red = mz.reduce_grads(local, None, shards)
+        return mz.all_reduce_replicas(red, replicas) if replicas.world_size > 1 else red
+
+    def ddp_reduce():  # stage 0 also all-gathers the sum: DDP's all-reduce, in two halves
+        red = reduce()
+        return red, mz.ddp_gather_grads(red, shards)
+
     # stage 0 (DDP): all-reduce = reduce-scatter + all-gather; everyone updates everything
     flat0 = params.clone()
     m0, v0, p0 = torch.zeros(padded), torch.zeros(padded), master(flat0)
-    red0, full = ledger("ddp_reduce", lambda: mz.ddp_reduce(local, None, shards, replicas, last=True))
+    red0, full = ledger("ddp_reduce", ddp_reduce)
     mz.ddp_update(flat0, p0, {"m": m0, "v": v0}, full, pieces(0, padded, numel), hp)
     out[0] = dict(flat=flat0, m=m0, v=v0, reduced=red0)
 
@@ -58,7 +67,7 @@ def rank_world(comm, numel, dtype, S):
     flat1 = params.clone()
     p1 = master(flat1.view(S, s)[r]) if dtype == torch.float32 else flat1.view(S, s)[r].float()
     m1, v1 = torch.zeros(s), torch.zeros(s)
-    red1 = ledger("reduce_grads", lambda: mz.reduce_grads(local, None, shards, replicas, last=True))
+    red1 = ledger("reduce_grads", reduce)
     ledger("zero_update_12", lambda: mz.zero_update(p1, {"m": m1, "v": v1}, red1, pieces(r * s, (r + 1) * s, numel), hp,
                                                     shards, flat1, None))
     out[1] = dict(flat=flat1, m=m1, v=v1, reduced=red1, master=p1)
@@ -70,7 +79,7 @@ def rank_world(comm, numel, dtype, S):
     flat3 = torch.empty(padded, dtype=dtype)
     gathered = ledger("gather_params", lambda: mz.gather_params(shard, flat3, shards).clone())
     mz.release_params(flat3)
-    red3 = mz.reduce_grads(local, None, shards, replicas, last=True)
+    red3 = reduce()
     ledger("zero_update_3", lambda: mz.zero_update(p3, {"m": m3, "v": v3}, red3, pieces(r * s, (r + 1) * s, numel), hp,
                                                    shards, flat3, shard))
     out[3] = dict(shard=shard, m=m3, v=v3, reduced=red3, gathered=gathered,
@@ -124,4 +133,4 @@ def test_sharded_names_what_each_stage_cuts():
         {"optimizer": True, "grads": True, "params": False},
         {"optimizer": True, "grads": True, "params": True}]
     # the table for Ψ = 4 parameters at N = 4, bf16 (2 + 2 + 12 bytes each): 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N
-    assert [sum(mz.model_state_bytes(4, 4, s).values()) for s in range(4)] == [64, 8 + 8 + 12, 8 + 2 + 12, 2 + 2 + 12]
+    assert [sum(formulas.model_state_bytes(4, 4, s).values()) for s in range(4)] == [64, 8 + 8 + 12, 8 + 2 + 12, 2 + 2 + 12]

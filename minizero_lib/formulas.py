@@ -1,0 +1,113 @@
+"""
+The formulas: what a rank holds and sends at each stage, for a layout of Ψ (padded)
+parameters, in bytes. The tests hold the engine's measurements (Engine.memory, .offloaded,
+comm.sent: measured below) to these, to the byte; the planner (cli.py) prints them for real
+models. Read after stages.py: each formula is the sum of what those functions keep and send.
+"""
+import resource
+
+import torch
+
+from minizero_lib.optimizers import GATHERED, state_numel, whole_numel
+from minizero_lib.stages import sharded
+
+
+def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+                      reduce_dtype=None, state=None):
+    """Bytes of model state resident per rank, for numel (padded) parameters: params and
+    grads in the compute dtype; the fp32 master (fp32 compute: the params are it) and the
+    optimizer's `state` fp32 elements per rank (default AdamW's m and v, cut like master:
+    16-bit AdamW keeps 2 + 2 + 12 bytes per parameter). Each is cut N ways once sharded; a
+    sharded grad is the reduced shard, in reduce_dtype. Offloaded state: 0 here. Hybrid:
+    world_size is S, what a unit is cut over."""
+    d = torch.finfo(dtype).bits // 8
+    g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
+    cut = {k: world_size if c else 1 for k, c in sharded(stage).items()}
+    state = 2 * numel // cut["optimizer"] if state is None else state
+    opt = 0 if offload else (4 if d != 4 else 0) * numel // cut["optimizer"] + 4 * state
+    return {"params": (0 if offload_params else d) * numel // cut["params"], "grads": g * numel // cut["grads"],
+            "optimizer": opt}
+
+
+def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+                    state=None):
+    """{where: bytes} of model state offloaded per rank: the optimizer's fp32 master and
+    state (AdamW: 12Ψ/N, with fp32 compute too: the host keeps its own master) to "cpu"
+    or "disk", and with offload_params the 16-bit shard to "cpu"."""
+    out = {}
+    if offload:
+        out[offload] = 4 * numel // world_size + 4 * (2 * numel // world_size if state is None else state)
+    if offload_params:
+        out["cpu"] = out.get("cpu", 0) + torch.finfo(dtype).bits // 8 * numel // world_size
+    return out
+
+
+def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
+                        replicas=1, whole_numel=None):
+    """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
+    over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
+    reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
+    (forward and backward), whole ones once per step (the grads at stage 0, the updated
+    params at 1-2). Hybrid: world_size is S, the shard group's ranks, and the reduced shard
+    (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S.
+    A sharded optimizer with whole-tensor updates gathers what they read ("optimizer",
+    GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}."""
+    S, R = world_size, replicas
+    per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
+    grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
+    gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
+    out = {"reduce_scatter": grad * grad_accum, "all_gather": gathers,
+           "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype)}
+    if whole_numel and sharded(stage)["optimizer"]:
+        out["optimizer"] = sum((S - 1) * (n // S) * GATHERED[k] for k, n in whole_numel.items())
+    return {k: v for k, v in out.items() if v}
+
+
+def engine_formula(engine, offloaded=False, sent=False):
+    """Engine.formula: the formulas above for an engine's layout and optimizer."""
+    e = engine
+    layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
+    if sent:
+        return comm_bytes_per_step(*layout, e.grad_accum, e.reduce_dtype, e.replicas.world_size,
+                                   whole_numel(e.units))
+    if offloaded:
+        return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
+    return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,
+                             state_numel(e.units))
+
+
+def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False):
+    """Measured: bytes of model state the units hold on `device` at a step's update, by
+    category. Stages 2-3's reduced gradient shards live only from a step's first reduction
+    to its update: between steps, count the ones the next step makes. On a CPU run what
+    offload keeps in host memory is on "the device" too: offloaded_held counts it."""
+    params = grads = opt = 0
+    cut = sharded(stage)
+    own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
+    cpu = device.type == "cpu"
+    for u in units:
+        params += 0 if cpu and offload_params else _nbytes(device, u.shard if cut["params"] else u.flat)
+        grad = u.reduced if cut["grads"] else u.bucket
+        grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
+        opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(), u.master if own else None)
+    return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def offloaded_held(units, disk, offload=None, offload_params=False):
+    """Measured: {where: bytes} of the units' state kept off the device: "cpu" or "disk"."""
+    host = sum(_nbytes(torch.device("cpu"), *([u.master, *(u.state or {}).values()] if offload == "cpu" else []),
+                       u.shard if offload_params else None) for u in units)
+    return {**({"disk": disk.nbytes()} if disk else {}), **({"cpu": host} if host else {})}
+
+
+def _nbytes(device, *ts):
+    """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
+    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
+
+
+def peak_memory(device):
+    """Measured peak bytes of this process: CUDA's max allocated on GPU, peak RSS on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+

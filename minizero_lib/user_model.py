@@ -1,0 +1,160 @@
+"""
+What the engine asks of the user's model, apart from ZeRO itself: arguments that cannot
+work, the same model on every rank, a model built on the meta device made real one unit at a
+time, the tensors inside a model's inputs and outputs, and stage 3's parameters that raise
+when read while released. A first reading can skip this file.
+"""
+import dataclasses
+from itertools import chain
+
+import torch
+import torch.nn as nn
+
+from ops import broadcast, check_same
+
+
+def check_engine_args(model, stage, dtype, grad_accum):
+    """Engine(...) arguments that cannot work: a ValueError naming the fix."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
+    devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+    if len(devices) > 1:
+        raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
+                         f"move the model to one device (model.to(device)) first")
+
+
+def check_same_model(model, comm):
+    """Collective: every rank must have built the same model, the same names, shapes,
+    dtypes, trainability and ties of every parameter and buffer (each later collective's
+    size depends on it). Otherwise raise on every rank, naming the first difference.
+    First, the model must be on the device the communicator moves tensors on."""
+    device = next(model.parameters()).device
+    if device != comm.device and device.type != "meta":  # (a GPU model on CPU thread ranks would run all its backwards on one thread)
+        raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
+                         f"move it there first: model.to(comm.device)")
+    entries, first = [], {}
+    for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        tie = first.setdefault(id(t), n)
+        entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                       + (" trainable" if t.requires_grad else "") + (f" = {tie}" if tie != n else ""))
+    check_same(entries, comm, "the ranks built different models: parameter/buffer", "build the same model on "
+               "every rank before Engine(...)")
+
+
+
+def meta_owners(model, init):
+    """For a model built on the meta device: where each trainable parameter's real one must
+    go, id(param) -> [(module, key)] (a tie has two), or None if none is on meta. Only
+    trainable parameters are made real (by init); anything else on meta is an error."""
+    meta = [n for n, p in model.named_parameters() if p.is_meta]  # built under torch.device("meta")
+    if meta and init is None:
+        raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
+                         f"once its unit exists (or build the model for real)")
+    frozen = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta and not t.requires_grad]
+    if frozen:
+        raise ValueError(f"{frozen[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
+                         f"trainable parameters real: make it real first (module.to_empty, then set it)")
+    if not meta:
+        return None
+    owners = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            owners.setdefault(id(p), []).append((module, key))
+    return owners
+
+
+def materialize(named, owners, device, init):
+    """For a model built on the meta device (DeepSpeed's zero.Init, FSDP2's to_empty): one
+    unit's [(name, param)] made real on device, set in every module that holds them
+    (owners: id(param) -> [(module, key)], so ties follow), and filled by init(name, p).
+    Units are made one at a time, so no rank ever holds the whole model."""
+    out = []
+    for name, p in named:
+        q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        for module, key in owners[id(p)]:
+            module._parameters[key] = q
+        init(name, q)
+        out.append((name, q))
+    return out
+
+
+def tensors(x):
+    """Every tensor in x, also inside tuples, lists, dicts and dataclasses (model outputs)."""
+    if torch.is_tensor(x):
+        yield x
+    elif isinstance(x, (tuple, list, dict)):
+        for y in x.values() if isinstance(x, dict) else x:
+            yield from tensors(y)
+    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
+        for f in dataclasses.fields(x):
+            yield from tensors(getattr(x, f.name))
+
+
+def cast_floats(x, dtype):
+    """x with every float tensor in dtype, also inside tuples, lists and dicts."""
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
+
+def map_tensors(x, fn):
+    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
+    if torch.is_tensor(x):
+        return fn(x)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
+        return type(x)(*(map_tensors(y, fn) for y in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(map_tensors(y, fn) for y in x)
+    if isinstance(x, dict):
+        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
+    return x
+
+
+_T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
+_METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf",
+                                                "grad_fn", "ndim", "layout", "is_meta", "is_cuda", "is_cpu")} | {
+    _T.data.__set__, _T.grad.__set__, _T.requires_grad.__set__} | {
+    getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size", "is_floating_point",
+                             "requires_grad_", "register_hook", "register_post_accumulate_grad_hook")}
+
+
+def mark_sharded(names, params):
+    """Stage 3: make each parameter a ShardedParameter, released (its unit is not gathered)."""
+    for n, p in zip(names, params):
+        p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, True
+
+
+class ShardedParameter(nn.Parameter):
+    """A stage-3 parameter. Between uses its storage is released, and reading it would
+    read freed memory, so any op on it then raises instead (its shape, dtype and numel
+    stay readable). PyTorch itself turns UninitializedParameter into a Parameter by
+    assigning __class__; the engine does the same, so the user's references stay valid."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for a in tensors((args, kwargs)):
+                if isinstance(a, ShardedParameter) and a.zero_released:
+                    raise RuntimeError(
+                        f"{a.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered now: "
+                        f"read parameters inside `with engine.gathered():` (every rank enters it), or take "
+                        f"engine.full_state_dict() (a collective); the engine must still be alive")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+
+
+def broadcast_buffers(buffers, comm):
+    """DDP's broadcast_buffers, before each forward: rank 0's running stats everywhere, one
+    broadcast per dtype (kind "buffers", booked apart from Ψ)."""
+    for dtype in sorted({b.dtype for b in buffers}, key=str):
+        group = [b for b in buffers if b.dtype == dtype]
+        flat = broadcast(torch.cat([b.reshape(-1) for b in group]), comm, kind="buffers")
+        for b, x in zip(group, flat.split([b.numel() for b in group])):
+            b.copy_(x.view(b.shape))
