@@ -19,6 +19,7 @@ from minizero_lib import check
 from minizero_lib import engine
 import minizero
 from minizero_lib import optimizers
+from minizero_lib.report import to_device
 from minizero_lib import stages
 
 torch.set_num_threads(1)
@@ -311,7 +312,7 @@ def test_batches_in_containers_reach_the_device():
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
-    assert check._to(batch, "cpu")["a"][0].device == torch.device("cpu")
+    assert to_device(batch, "cpu")["a"][0].device == torch.device("cpu")
 
 
 # -----------------------------------------------------------------------------
