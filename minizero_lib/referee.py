@@ -68,8 +68,9 @@ def _against_stage_0(row, run, h, ref, r, step, n, stage):
 def _against_rank_0(run, h, h0, buffer_names, r, step, n, stage):
     """Rank r's step h against rank 0's (h0): the parameters, the step counts, and the buffers
     as each forward read them."""
+    # In the state's order (a set's would hang on the hash seed): the first named is the first.
     findings = [_diff(None, "ranks", h.state[name], h0.state[name], name, r, step, None, n, stage)
-                for name in h.state.keys() - buffer_names]
+                for name in h.state if name not in buffer_names]
     findings.append(_step_counts(h, h0, run.layout, "ranks", r, step, n, stage))
     for m, (mine, theirs) in enumerate(zip(h.read, h0.read)):
         for seen, seen0 in zip(mine, theirs):
@@ -191,11 +192,13 @@ def hold_to_torch(row, model, ranks, spec, n, tol, device):
     # The worst relative differences seen: (gradient, update).
     worst = [0.0, 0.0]
     state = run.initial
+    buffer_names = {nm for nm, _ in model.named_buffers()}
     for step, h in enumerate(run.history):
         if not h.stepped:
             # Skipped for a non-finite gradient, as torch's GradScaler: no parameter moves.
             row.skipped += 1
-            for nm in h.state.keys() - {nm for nm, _ in model.named_buffers()}:
+            # Every parameter, in the state's order.
+            for nm in [nm for nm in h.state if nm not in buffer_names]:
                 found = _diff(None, "referee-skip", h.state[nm], state[nm], nm, 0, step, None, n, 0)
                 row.first = row.first or found
             # (The buffers moved: the forward ran.)
