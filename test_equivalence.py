@@ -241,8 +241,8 @@ def test_native_overlap_starts_collectives_in_flight_with_the_bits_of_waiting(mo
                     for o in (True, False)]
             assert (len(jobs) == 0) == (accum == 1), (stage, accum, len(jobs))
             for a, b in zip(*runs):
-                for x, y in zip(a["hist"], b["hist"]):
-                    assert_same(x["state"], y["state"])
+                for x, y in zip(a.history, b.history):
+                    assert_same(x.state, y.state)
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda" and torch.cuda.device_count() < 2, reason="nccl needs a GPU per rank")
@@ -345,18 +345,18 @@ def test_processes_equal_threads_bit_for_bit(gloo_results):
         threads = {s: launch.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
         for rank, (ours, _) in enumerate(gloo_results):
             for s in range(4):
-                for a, b in zip(ours[i][s]["hist"], threads[s][rank]["hist"]):
-                    assert_same(a["state"], b["state"])
-                    assert all(torch.equal(x, y) for x, y in zip(a["live"], b["live"]))
-                    assert all(torch.equal(x, y) for m, n in zip(a["grads"], b["grads"]) for x, y in zip(m, n))
+                for a, b in zip(ours[i][s].history, threads[s][rank].history):
+                    assert_same(a.state, b.state)
+                    assert all(torch.equal(x, y) for x, y in zip(a.live, b.live))
+                    assert all(torch.equal(x, y) for m, n in zip(a.grads, b.grads) for x, y in zip(m, n))
 
 
 @on_gloo
 def test_ddp_matches_torch_ddp_on_gloo(gloo_results):
     for ours, theirs in gloo_results:
-        for h, ref in zip(ours[0][0]["hist"], theirs):
+        for h, ref in zip(ours[0][0].history, theirs):
             for name, value in ref.items():
-                torch.testing.assert_close(h["state"][name], value, rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(h.state[name], value, rtol=1e-4, atol=1e-5)
 
 
 # -----------------------------------------------------------------------------

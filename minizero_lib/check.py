@@ -45,116 +45,32 @@ import os
 import pickle
 import random
 import time
-from dataclasses import dataclass, field
 from itertools import chain
-from typing import Optional
 
 import torch
 
 from minizero_lib import launch
-from minizero_lib import referee as judge  # (check()'s own `referee` is a flag)
+# Named judge here: check()'s own `referee` is a flag, whether stage 0 is held to torch.
+from minizero_lib import referee as judge
 from minizero_lib.checkpoint import read_state
 from minizero_lib.engine import Engine
 from minizero_lib.optimizers import state_numel, whole_numel
+from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
+                                 Row, StepRecord, UnitLayout, run_to_device, seed, to_device)
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.stages import default_units, group_params
-from minizero_lib.user_model import map_tensors
 
-KEPT = ("reduce_scatter", "all_gather", "all_reduce", "optimizer")  # the kinds the formula speaks of
-GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}  # of the largest sum of |parts|
-UPDATE_TOL = 1e-5  # of |param| + lr: the update check runs in fp32 on the engine's own gradient
-
-
-@dataclass
-class Divergence:
-    """Where two runs first part."""
-    what: str            # grads | params | optimizer | initial | ranks | memory | bytes | referee-grads |
-                         # referee-update | referee-skip | error
-    world_size: int
-    stage: int
-    step: int
-    micro: Optional[int]  # the micro-batch, for grads
-    rank: int
-    name: str            # the parameter (or buffer, "padding", a memory or ledger category)
-    index: int = 0       # the first differing element, inside that parameter
-    ours: float = 0
-    theirs: float = 0    # stage 0's, rank 0's, torch's or the formula's value
-    max_abs: float = 0   # over the whole tensor
-    max_ulp: int = 0
-
-    def __str__(self):
-        if self.what == "error":
-            return f"world size {self.world_size}, stage {self.stage}: {self.name}"
-        against = {"grads": "stage 0", "params": "stage 0", "optimizer": "stage 0", "ranks": "rank 0",
-                   "initial": "rank 0's model", "memory": "the formula", "bytes": "the formula",
-                   "referee-skip": "the step before"}.get(self.what, "torch")
-        where = f"step {self.step}" + (f", micro-batch {self.micro}" if self.micro is not None else "")
-        return (f"{self.what} differ at {where}, world size {self.world_size}, stage {self.stage}, "
-                f"rank {self.rank}: {self.name}[{self.index}] is {self.ours!r} here, {self.theirs!r} in "
-                f"{against} (max abs diff {self.max_abs:.3g}, {self.max_ulp} ULP)")
-
-
-@dataclass
-class Row:
-    world_size: int
-    stage: int
-    max_diff: float = 0.0           # largest |difference| from stage 0, grads and params (0: the same bits)
-    referee: Optional[tuple] = None  # stage 0: (gradient diff / sum of |parts|, update diff / (|p| + lr))
-    refereed: int = 0               # stage 0: steps the referee held to torch (those that ran)
-    skipped: int = 0                # stage 0: steps skipped for non-finite gradients (checked unchanged)
-    memory_ok: bool = True
-    bytes_ok: bool = True
-    seconds: float = 0.0
-    first: Optional[Divergence] = None
-
-
-@dataclass
-class Report:
-    rows: list = field(default_factory=list)
-    tol: tuple = (None, UPDATE_TOL)  # the referee's tolerances (gradient, update)
-
-    @property
-    def ok(self):
-        return all(r.first is None for r in self.rows)
-
-    @property
-    def refereed(self):
-        """Steps the torch referee checked, over every world size (0: it saw no step run)."""
-        return sum(r.refereed for r in self.rows if r.stage == 0)
-
-    @property
-    def first(self):
-        found = [r.first for r in self.rows if r.first is not None]  # stage against stage first: the sharper finding
-        return min(found, key=lambda d: (d.what.startswith("referee"), d.step, d.micro or 0, d.world_size, d.stage,
-                                         d.rank), default=None)
-
-    def __str__(self):
-        mark = lambda good: "ok" if good else "DIFFERS"  # noqa: E731
-        lines = [f"{'world':>5} {'stage':>5}  {'vs stage 0':>11}  {'referee grad':>12} {'update':>9}  "
-                 f"{'memory':>7} {'bytes':>7} {'seconds':>8}"]
-        for r in self.rows:
-            ref = f"{r.referee[0]:>12.2e} {r.referee[1]:>9.2e}" if r.referee else f"{'':>12} {'':>9}"
-            same = "same bits" if r.max_diff == 0 and (r.first is None or
-                                                       r.first.what not in ("grads", "params", "optimizer"))\
-                else f"{r.max_diff:.2e}"
-            lines.append(f"{r.world_size:>5} {r.stage:>5}  {same:>11}  {ref}  {mark(r.memory_ok):>7} "
-                         f"{mark(r.bytes_ok):>7} {r.seconds:>8.2f}")
-        lines.append(f"referee tolerance: gradient {self.tol[0]:.0e} of the largest sum of |contributions|, update "
-                     f"{self.tol[1]:.0e} of |param| + lr")
-        ref = [r for r in self.rows if r.stage == 0 and r.referee is not None]
-        if ref:
-            lines.append("referee saw " + ", ".join(
-                f"{r.refereed} of {r.refereed + r.skipped} steps at world size {r.world_size}"
-                + (f" ({r.skipped} skipped: non-finite gradients)" if r.skipped else "") for r in ref))
-        lines.append("all stages agree" if self.ok else f"first divergence: {self.first}")
-        return "\n".join(lines)
+# cuBLAS's deterministic setting, read when cuBLAS starts.
+CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
 def default_loss(model, batch):
     """Call the model with the batch; the loss is the output if it is a scalar, else
     out.loss, out["loss"], or the first scalar tensor in a tuple or list output."""
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, (tuple, list)) \
-        else model(batch)
+    if isinstance(batch, dict):
+        out = model(**batch)
+    else:
+        out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
     if torch.is_tensor(out) and out.dim() == 0:
         return out
     if getattr(out, "loss", None) is not None:
@@ -164,83 +80,109 @@ def default_loss(model, batch):
     for x in out if isinstance(out, (tuple, list)) else ():
         if torch.is_tensor(x) and x.dim() == 0:
             return x
-    raise ValueError(f"found no scalar loss in the model's output ({type(out).__name__}); pass loss_fn=")
+    raise ValueError(f"found no scalar loss in the model's output ({type(out).__name__}); "
+                     f"pass loss_fn=")
 
 
-def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3), steps=3,
-          referee=True, tol=None, processes=False, jitter=False, timeout=120.0, device=None, strict_p2p=False,
-          **engine_kw):
+def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3),
+          steps=3, referee=True, tol=None, processes=False, jitter=False, timeout=120.0,
+          device=None, strict_p2p=False, **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True runs
-    gloo processes: then the callables must be importable. device="cuda": each rank's
+    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True
+    runs gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads)."""
     if 0 not in stages:
-        stages = (0, *stages)  # everything is compared with stage 0
-    S = engine_kw.get("shard_size")  # hybrid sharding: every stage, stage 0 included, at that S
-    if S is not None and any(n % S for n in world_sizes):
-        raise ValueError(f"shard_size={S} must divide every world size, and world_sizes={tuple(world_sizes)}; "
-                         f"give multiples of it, like world_sizes={(S, 2 * S)}")
+        # Everything is compared with stage 0.
+        stages = (0, *stages)
     device = torch.device(device or "cpu")
-    if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
-        raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size {max(world_sizes)} "
-                         f"needs that many GPUs, this machine has {torch.cuda.device_count()}; use threads")
-    if processes:
-        try:
-            pickle.dumps((make_model, make_batch, loss_fn, engine_kw))
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine options to "
-                             f"each rank, so they must be importable functions, not lambdas or locals: {e}")
-    if device.type == "cuda":  # before make_model may start cuBLAS
+    _refuse(world_sizes, engine_kw, processes, device, (make_model, make_batch, loss_fn, engine_kw))
+    if device.type == "cuda":
+        # Before make_model may start cuBLAS.
         os.environ.setdefault(*CUBLAS)
     model = make_model()
     drawn = random_modules(model, make_batch(0, 0, 0), loss_fn or default_loss)
     if drawn and not processes:
         raise ValueError(f"the model draws random numbers in forward ({', '.join(drawn[:3])}"
-                         f"{', ...' if len(drawn) > 3 else ''}): thread ranks share torch's random number generator, "
-                         f"so their runs cannot be compared; run it on processes (--processes, processes=True: each "
-                         f"rank draws from a seed of its own, as the referee does), or without randomness "
-                         f"(model.eval() in make_model, or dropout 0)")
+                         f"{', ...' if len(drawn) > 3 else ''}): thread ranks share torch's random "
+                         f"number generator, so their runs cannot be compared; run it on processes "
+                         f"(--processes, processes=True: each rank draws from a seed of its own, "
+                         f"as the referee does), or without randomness (model.eval() in "
+                         f"make_model, or dropout 0)")
     dtype = engine_kw.get("dtype", torch.float32)
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
-    spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss, steps=steps,
-                jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
+    spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss,
+                steps=steps, jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
                 state={k: v.clone() for k, v in model.state_dict().items()})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # ranks are threads (or processes on the same cores)
+    num_threads = torch.get_num_threads()
+    # Ranks are threads (or processes on the same cores).
+    torch.set_num_threads(1)
     restore = _deterministic(device)
-    buffers = {nm for nm, _ in model.named_buffers()}
-    initial = {k: v.to(dtype).float() if v.is_floating_point() else v for k, v in spec["state"].items()}
+    buffer_names = {nm for nm, _ in model.named_buffers()}
+    # Rank 0's model's values, as the engine holds them in the compute dtype.
+    initial = {k: v.to(dtype).float() if v.is_floating_point() else v
+               for k, v in spec["state"].items()}
     try:
         for n in world_sizes:
+            # Per stage: every rank's RankRun.
             runs = {}
             for s in sorted(stages):
                 t0 = time.perf_counter()
                 row = Row(n, s)
                 try:
-                    if processes:  # (on nccl each rank's tensors come back on its own GPU: gather them)
-                        runs[s] = _to(launch.run_processes(_rank, n, s, spec, timeout=timeout,
-                                                        backend="nccl" if device.type == "cuda" else "gloo"), device)
-                    else:
-                        runs[s] = launch.run_threads(_rank, n, s, dict(spec, model=model), device=device,
-                                                     timeout=timeout, strict_p2p=strict_p2p)
-                except RuntimeError as e:  # the model (or the engine on it) failed on some rank
-                    row.first = Divergence("error", n, s, 0, None, 0, str(e).split("\n")[0])
+                    runs[s] = _run_stage(n, s, spec, model, processes, device, timeout, strict_p2p)
+                except RuntimeError as e:
+                    # The model (or the engine on it) failed on some rank.
+                    row.first = Divergence(what="error", world_size=n, stage=s, step=0, micro=None,
+                                           rank=0, name=str(e).split("\n")[0])
                     report.rows.append(row)
                     continue
                 row.seconds = time.perf_counter() - t0
-                judge.compare(row, runs[s], runs.get(0) if s else None, n, s, buffers, initial)
+                judge.compare(row, runs[s], runs.get(0) if s else None, n, s, buffer_names,
+                              initial)
                 if s == 0 and referee:
                     judge.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(num_threads)
         restore()
     return report
+
+
+def _refuse(world_sizes, engine_kw, processes, device, callables):
+    """Raise, naming the fix, for options no run can satisfy."""
+    S = engine_kw.get("shard_size")
+    # Hybrid sharding: every stage, stage 0 included, runs at that S.
+    if S is not None and any(n % S for n in world_sizes):
+        raise ValueError(f"shard_size={S} must divide every world size, and "
+                         f"world_sizes={tuple(world_sizes)}; give multiples of it, like "
+                         f"world_sizes={(S, 2 * S)}")
+    if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
+        raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size "
+                         f"{max(world_sizes)} needs that many GPUs, this machine has "
+                         f"{torch.cuda.device_count()}; use threads")
+    if processes:
+        try:
+            pickle.dumps(callables)
+        except (pickle.PicklingError, AttributeError, TypeError) as e:
+            raise ValueError(f"processes=True sends make_model, make_batch, loss_fn and the engine "
+                             f"options to each rank, so they must be importable functions, not "
+                             f"lambdas or locals: {e}")
+
+
+def _run_stage(n, stage, spec, model, processes, device, timeout, strict_p2p):
+    """Every rank's RankRun of one stage at world size n, on threads or processes."""
+    if not processes:
+        return launch.run_threads(_rank, n, stage, dict(spec, model=model), device=device,
+                                  timeout=timeout, strict_p2p=strict_p2p)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    runs = launch.run_processes(_rank, n, stage, spec, timeout=timeout, backend=backend)
+    # On nccl each rank's tensors come back on its own GPU: gather them.
+    return [run_to_device(run, device) for run in runs]
 
 
 def random_modules(model, batch, loss_fn):
@@ -255,28 +197,23 @@ def random_modules(model, batch, loss_fn):
     def post(m, args, out):
         if not torch.equal(before.pop(m), torch.random.get_rng_state()):
             moved.append(m)
-    hooks = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
-    state = torch.random.get_rng_state()
+    hooks = [h for m in names for h in (m.register_forward_pre_hook(pre),
+                                        m.register_forward_hook(post))]
+    rng_state = torch.random.get_rng_state()
     try:
         with torch.no_grad():
             loss_fn(probe, batch)
-    except Exception:  # a model that fails: the run itself reports where, on its ranks
+    except Exception:
+        # A model that fails: the run itself reports where, on its ranks.
         return []
     finally:
-        torch.random.set_rng_state(state)
+        torch.random.set_rng_state(rng_state)
         for h in hooks:
             h.remove()
-    moved = list(dict.fromkeys(moved))  # a parent moves it only through a child that did: name the child
+    # A parent moves the state only through a child that did: name the child.
+    moved = list(dict.fromkeys(moved))
     return [f"{names[m]}: {m if not list(m.children()) else type(m).__name__}" for m in moved
             if not any(c in moved for c in list(m.modules())[1:])]
-
-
-def _seed(step, rank, micro):
-    """A model that draws random numbers draws them from this seed, in every stage and in the referee."""
-    return 1_000_003 * step + 1009 * rank + micro
-
-
-CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's deterministic setting, read when cuBLAS starts
 
 
 def _deterministic(device):
@@ -288,7 +225,8 @@ def _deterministic(device):
     rank switches the kernels on before it builds its model. Returns what puts them back."""
     if device.type != "cuda":
         return lambda: None
-    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
     os.environ.setdefault(*CUBLAS)
     torch.use_deterministic_algorithms(True, warn_only=False)
     return lambda: torch.use_deterministic_algorithms(before[0], warn_only=before[1])
@@ -299,70 +237,87 @@ def _deterministic(device):
 
 
 def _rank(comm, stage, spec):
-    if "model" in spec:  # threads: a copy of the one model
+    """One rank's run of one stage: its RankRun."""
+    if "model" in spec:
+        # Threads: a copy of the one model.
         model = copy.deepcopy(spec["model"]).to(comm.device)
-    else:                # processes: build it, then take the parent's values
+    else:
+        # Processes: build it, then take the parent's values.
         _deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
     _perturb(model, comm.rank)
     kw = dict(spec["engine_kw"])
-    if stage == 0:  # DDP keeps its whole state in memory: the reference every offload is held to
+    if stage == 0:
+        # DDP keeps all its state in memory: the reference every offload is held to.
         kw = {k: v for k, v in kw.items() if k not in ("offload", "offload_dir", "offload_params")}
     if callable(kw.get("units")):
         kw["units"] = kw["units"](model)
-    numel = _padded(model, comm.world_size, kw)  # from the model's own sizes, before the engine
+    # From the model's own sizes, before the engine.
+    numel = _padded(model, comm.world_size, kw)
     engine = Engine(model, comm, stage, **kw)
-    formula = _formulas(numel, comm.world_size, stage, kw, engine.units)
+    memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
-    seen = []  # the buffers each forward read (after the engine's broadcast: this hook runs after its)
+    # The buffers each forward read (after the engine's broadcast: this hook runs after its).
+    seen = []
+
+    def record(m, args):
+        if torch.is_grad_enabled():
+            seen.append({nm: b.detach().clone() for nm, b in m.named_buffers()})
     if kw.get("broadcast_buffers", True):
-        model.register_forward_pre_hook(lambda m, args: seen.append(
-            {n: b.detach().clone() for n, b in m.named_buffers()}) if torch.is_grad_enabled() else None)
-    # (a unit's layout, and where this rank's chunk starts in it)
-    layout = [(u.names, u.offsets, [p.numel() for p in u.params], u.shard_size * engine.shards.rank)
-              for u in engine.units]
-    kinds = {n: k for u in engine.units for n, k in zip(u.names, u.rules)}  # the update each param gets
-    out = dict(layout=layout, kinds=kinds, shard_size=engine.shards.world_size, grad_accum=engine.grad_accum,
-               initial=engine.full_state_dict(), hist=[], **formula)
+        model.register_forward_pre_hook(record)
+    layout = [UnitLayout(u.names, u.offsets, [p.numel() for p in u.params],
+                         u.shard_size * engine.shards.rank) for u in engine.units]
+    rules = {nm: rule for u in engine.units for nm, rule in zip(u.names, u.rules)}
+    run = RankRun(layout=layout, rules=rules, shard_size=engine.shards.world_size,
+                  grad_accum=engine.grad_accum, initial=engine.full_state_dict(),
+                  memory_formula=memory_formula, bytes_formula=bytes_formula)
     for step in range(spec["steps"]):
-        before, grads, kept, read = dict(comm.sent), [], [], []
-        for micro in range(engine.grad_accum):
-            batch = _to(spec["make_batch"](step, comm.rank, micro), comm.device)
-            if spec.get("seeded"):  # (a spec made elsewhere may not say)
-                torch.manual_seed(_seed(step, comm.rank, micro))
-            engine.backward(spec["loss_fn"](model, batch))
-            grads.append([u.reduced.clone() for u in engine.units])
-            kept.append(_kept_too_much(engine))
-            read.append(seen[:])
-            seen.clear()
-        memory = _memory(engine.memory(), engine.offloaded())  # measured with the reduced shards alive
-        scale, steps_before = engine.scaler.scale, [list(u.steps) for u in engine.units]
-        stepped = engine.step()
-        sent = {k: comm.sent[k] - before.get(k, 0) for k in KEPT}
-        kept.append(_kept_too_much(engine))
-        used = [[b > a for a, b in zip(x, u.steps)] for x, u in zip(steps_before, engine.units)]
-        live = [(u.flat if u.shard is None else u.shard).clone() for u in engine.units]  # the 16-bit params
-        moments = [_moments(engine, u) for u in engine.units]
-        out["hist"].append(dict(grads=grads, live=live, scale=scale, stepped=stepped, sent=sent, used=used,
-                                kept=next((k for k in kept if k), None), read=read, moments=moments,
-                                steps=[list(u.steps) for u in engine.units], memory=memory,
-                                state=engine.full_state_dict()))
+        run.history.append(_step(engine, model, comm, spec, step, seen))
     engine.close()
-    return out
+    return run
+
+
+def _step(engine, model, comm, spec, step, seen):
+    """One step of the engine, its micro-batches' backwards first: its StepRecord."""
+    sent_before, grads, kept, read = dict(comm.sent), [], [], []
+    for micro in range(engine.grad_accum):
+        batch = to_device(spec["make_batch"](step, comm.rank, micro), comm.device)
+        # (A spec made elsewhere may not say whether the model draws random numbers.)
+        if spec.get("seeded"):
+            torch.manual_seed(seed(step, comm.rank, micro))
+        engine.backward(spec["loss_fn"](model, batch))
+        grads.append([u.reduced.clone() for u in engine.units])
+        kept.append(_kept_too_much(engine))
+        read.append(seen[:])
+        seen.clear()
+    # Measured with the reduced shards alive.
+    memory = _memory(engine.memory(), engine.offloaded())
+    loss_scale, counts_before = engine.scaler.scale, [list(u.steps) for u in engine.units]
+    stepped = engine.step()
+    sent = {kind: comm.sent[kind] - sent_before.get(kind, 0) for kind in SENT_KINDS}
+    kept.append(_kept_too_much(engine))
+    used = [[b > a for a, b in zip(x, u.steps)] for x, u in zip(counts_before, engine.units)]
+    # The 16-bit params forward reads.
+    live = [(u.flat if u.shard is None else u.shard).clone() for u in engine.units]
+    return StepRecord(grads=grads, live=live, loss_scale=loss_scale, stepped=stepped, sent=sent,
+                      used=used, kept=next((k for k in kept if k), None), read=read,
+                      moments=[_moments(engine, u) for u in engine.units],
+                      step_counts=[list(u.steps) for u in engine.units], memory=memory,
+                      state=engine.full_state_dict())
 
 
 def _moments(engine, u):
     """This rank's optimizer state of unit u, per (parameter name, key): (the parameter's first
     element it covers, a copy); a whole-tensor state (Adafactor's rows, columns) whole, from 0.
     Stage 0's covers every parameter from 0, so a shard is held to that slice of it."""
-    state, out = read_state(engine, u), {}
+    opt_state, moments = read_state(engine, u), {}
     for p in u.pieces:
-        for k, (c, d) in p.at.items():
-            start = p.lo + p.a - p.o if u.keys[p.i][k] is None else 0
-            out[u.names[p.i], k] = (start, state[k][c:d].clone())
-    return out
+        for key, (c, d) in p.at.items():
+            start = p.lo + p.a - p.o if u.keys[p.i][key] is None else 0
+            moments[u.names[p.i], key] = (start, opt_state[key][c:d].clone())
+    return moments
 
 
 def _perturb(model, rank):
@@ -383,17 +338,19 @@ def _padded(model, n, kw):
 
 
 def _formulas(numel, n, stage, kw, units):
-    """What memory, offload and bytes must be, for Ψ = numel. AdamW's state is the formula's
-    own (2Ψ/N); another optimizer's state and the whole tensors it gathers are counted from
-    the units' layouts (optimizers.state_numel, whole_numel)."""
-    dtype, offload, params = kw.get("dtype", torch.float32), kw.get("offload"), kw.get("offload_params", False)
-    S = kw.get("shard_size") or n  # (hybrid sharding: a unit is cut S ways, and R = N/S replicas)
-    layout = numel, S, stage, dtype
-    state = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
-    return dict(formula=_memory(model_state_bytes(*layout, offload, params, kw.get("reduce_dtype"), state),
-                                offloaded_bytes(*layout, offload, params, state)),
-                bytes=comm_bytes_per_step(*layout, kw.get("grad_accum", 1), kw.get("reduce_dtype"), n // S,
-                                          whole_numel(units)))
+    """What memory (with offload) and bytes must be, for Ψ = numel: (memory, bytes). AdamW's
+    state is the formula's own (2Ψ/N); another optimizer's state and the whole tensors it
+    gathers are counted from the units' layouts (optimizers.state_numel, whole_numel)."""
+    dtype, offload = kw.get("dtype", torch.float32), kw.get("offload")
+    params = kw.get("offload_params", False)
+    # Hybrid sharding: a unit is cut S ways, and R = N/S replicas.
+    S = kw.get("shard_size") or n
+    sharding = numel, S, stage, dtype
+    opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
+    resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel)
+    memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
+    return memory, comm_bytes_per_step(*sharding, kw.get("grad_accum", 1), kw.get("reduce_dtype"),
+                                       n // S, whole_numel(units))
 
 
 def _memory(resident, offloaded):
@@ -401,14 +358,11 @@ def _memory(resident, offloaded):
     return {**resident, **{f"offloaded to {k}": v for k, v in offloaded.items()}}
 
 
-def _to(batch, device):
-    return map_tensors(batch, lambda t: t.to(device))
-
-
 def _kept_too_much(engine):
     """What a stage promises not to keep between its sync points, if it keeps it anyway."""
     for u in engine.units:
-        if engine.sharded["grads"] and (u.bucket is not None or any(p.grad is not None for p in u.params)):
+        if engine.sharded["grads"] and (u.bucket is not None or
+                                        any(p.grad is not None for p in u.params)):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"

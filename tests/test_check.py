@@ -19,6 +19,7 @@ from minizero_lib import check
 from minizero_lib import engine
 import minizero
 from minizero_lib import optimizers
+from minizero_lib.report import to_device
 from minizero_lib import stages
 from minizero_lib import unit
 from minizero_lib import user_model
@@ -123,7 +124,9 @@ def test_a_skipped_step_must_leave_the_parameters(monkeypatch):
         return real(self, bad)
     monkeypatch.setattr(engine.Engine, "_skip", skips_but_decays)
     first = run(world_sizes=(1,), stages=(0,), dtype=torch.float16, loss_scale=2.0**40).first
-    assert (first.what, first.step) == ("referee-skip", 0)
+    # Every parameter moved: the first named is the state's first, the root unit's own gate,
+    # whatever the hash seed.
+    assert (first.what, first.step, first.name) == ("referee-skip", 0, "gate")
 
 
 def test_moments_and_step_counts_are_compared_across_stages(monkeypatch):
@@ -313,7 +316,7 @@ def test_batches_in_containers_reach_the_device():
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
-    assert check._to(batch, "cpu")["a"][0].device == torch.device("cpu")
+    assert to_device(batch, "cpu")["a"][0].device == torch.device("cpu")
 
 
 # -----------------------------------------------------------------------------

@@ -204,13 +204,13 @@ def test_processes_at_a_shard_size():
     threads = [launch.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
     for rank, (ring, native, flying) in enumerate(results):
         for i in range(2):
-            for a, b in zip(ring[i]["hist"], threads[i][rank]["hist"]):
-                assert_same(a["state"], b["state"])
-        for a, b in zip(native[0]["hist"], native[1]["hist"]):  # torch's order, the same in both stages
-            assert_same(a["state"], b["state"])
+            for a, b in zip(ring[i].history, threads[i][rank].history):
+                assert_same(a.state, b.state)
+        for a, b in zip(native[0].history, native[1].history):  # torch's order, the same in both stages
+            assert_same(a.state, b.state)
         for run in flying[1:]:
-            for a, b in zip(flying[0]["hist"], run["hist"]):
-                assert_same(a["state"], b["state"])
+            for a, b in zip(flying[0].history, run.history):
+                assert_same(a.state, b.state)
 
 
 # -----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import textwrap
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 USERS_FILES = ["engine", "check", "checkpoint", "cli", "optimizers", "launch", "stages", "plots", "flight",
-               "offload", "referee"]
+               "offload", "referee", "report"]
 
 
 def test_a_users_own_files_do_not_shadow_the_library(tmp_path):
