@@ -46,7 +46,7 @@ def _check_world_size(world_size):
 class ThreadWorld:
     """What a world of thread ranks shares: the message queues, the meetings of native
     collectives, the failure flag and every rank's flight record (each rank's ops.ThreadComm
-    reaches it as comm.world)."""
+    reaches it as comm.world), and how a message travels through them: post, take, meet."""
 
     def __init__(self, world_size, timeout, device, strict=False):
         self.world_size = world_size  # the number of rank threads
@@ -81,6 +81,77 @@ class ThreadWorld:
             if ranks not in self.meetings:
                 self.meetings[ranks] = ([None] * len(ranks), threading.Barrier(len(ranks)))
             return self.meetings[ranks]
+
+    def post(self, me, dst, kind, send):
+        """me (an ops.ThreadComm) sends `send` to rank dst: a copy, its kind and me's record tag
+        go on their queue (CUDA: with an event the receiver's stream waits for). Queues never
+        block: the send is done at once."""
+        payload = send.detach().clone()
+        self.queues[me.rank, dst].put((kind, payload, nccl_model._made(payload), me.flight.tag))
+
+    def take(self, me, src, kind, t):
+        """me (an ops.ThreadComm) receives into t the next message from rank src, which must be of
+        the collective me is in (a message of another stops before its payload is read)."""
+        rank, deadline = me.rank, time.monotonic() + self.timeout
+        while True:
+            # A message sent is delivered, as on a real transport, though its sender failed since.
+            try:
+                got_kind, payload, made, tag = self.queues[src, rank].get(timeout=0.05)
+                break
+            except queue.Empty:
+                if self.failed.is_set():
+                    raise PeerFailed(f"rank {rank}: a peer failed, giving up")
+                if time.monotonic() > deadline:
+                    self.broken(rank, f"rank {rank} had no message from rank {src} within "
+                                f"{self.timeout}s ({ops._describe(kind, t)})", stall=True)
+        if tag != me.flight.tag:
+            self.broken(rank, f"rank {rank} got rank {src}'s message of another collective")
+        nccl_model._expect(rank, kind, t, src, ops._describe(got_kind, payload))
+        # CUDA: read what the sender's stream wrote, and keep the payload's memory till then.
+        if made is not None:
+            stream = torch.cuda.current_stream(payload.device)
+            stream.wait_event(made)
+            payload.record_stream(stream)
+        t.copy_(payload)
+
+    def meet(self, me, op, x, out, kind, ranks):
+        """me's (an ops.ThreadComm's) native collective op of x into out over `ranks` (all by
+        default): every rank leaves x in its slot, checks every slot's header, and reads every x
+        straight from shared memory, as a native collective would, summed in rank order."""
+        rank = me.rank
+        ranks = tuple(ranks or range(self.world_size))
+        slots, barrier = self.meeting(ranks)
+        i = ranks.index(rank)
+        slots[i] = (kind, x.detach(), nccl_model._made(x), me.flight.tag)
+        self._barrier(rank, barrier)
+        # Every rank sees it: the world stays usable.
+        if any(s[3] != me.flight.tag for s in slots):
+            self.broken(rank, f"rank {rank} read the ranks' native {kind} headers", latch=False)
+        for src, (k, y, made, _) in zip(ranks, slots):
+            nccl_model._expect(rank, kind, x, src, ops._describe(k, y))
+            if made is not None:
+                torch.cuda.current_stream(y.device).wait_event(made)
+        ys = torch.stack([s[1] for s in slots])
+        # In place: every rank has read x before anyone overwrites it.
+        if out is x:
+            self._barrier(rank, barrier)
+        out.copy_(ys.view(-1) if op == "all_gather" else
+                  ys.sum(0).view(len(ranks), -1)[i] if op == "reduce_scatter" else ys.sum(0))
+        # The reads above are done before their owners may overwrite them.
+        if out.is_cuda:
+            torch.cuda.current_stream(out.device).synchronize()
+        # Nobody may reuse its slot until everyone has read it.
+        self._barrier(rank, barrier)
+        return out
+
+    def _barrier(self, rank, barrier):
+        try:
+            barrier.wait(timeout=self.timeout)
+        except threading.BrokenBarrierError:
+            if self.failed.is_set():
+                raise PeerFailed(f"rank {rank}: a peer failed, giving up")
+            self.broken(rank, f"rank {rank} waited {self.timeout}s for the others at a native "
+                        f"collective", stall=True)
 
     def abort(self):
         self.failed.set()

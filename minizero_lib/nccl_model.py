@@ -14,6 +14,9 @@ here, in a test, naming what each rank waits for.
 A ring hop that sends, then receives in an operation of its own, waits in a circle under
 these rules: every rank's send waits for a receive queued behind its peer's send. NCCL
 buffers a little (small hops pass there), the model nothing, so it errs on the safe side.
+
+Two helpers serve every thread-world message, here and in launch.ThreadWorld's queues and
+meetings: _made (the CUDA event a message carries) and _expect (the receiver's check).
 """
 import threading
 import time
@@ -22,6 +25,24 @@ from collections import deque
 import torch
 
 import ops
+
+
+def _made(t):
+    """CUDA: an event on this thread's current stream, which is making t. CPU: None (done)."""
+    if not t.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(t.device))
+    return event
+
+
+def _expect(rank, kind, t, src, got):
+    """The thread world's mismatch check: rank src's message, described as `got`, must be of the
+    collective this rank is in (kind, size, dtype), or the world would hang or sum garbage."""
+    if got != ops._describe(kind, t):
+        raise ValueError(f"mismatched collectives: rank {rank} is in {ops._describe(kind, t)} but "
+                         f"rank {src} sent {got}; every rank must call the same collectives in the "
+                         f"same order")
 
 
 class Deadlock(RuntimeError):
@@ -112,7 +133,7 @@ class Exchange:
         self.send, self.dst = send, dst         # the tensor to send (None: no send half) and to whom
         self.recv, self.src = recv, src         # the tensor to receive into (None: no receive half), from whom
         self.sent, self.got = send is None, recv is None  # each half done
-        self.made = [ops._made(t) for t in (send, recv) if t is not None and t.is_cuda]  # CUDA: the issuer's work
+        self.made = [_made(t) for t in (send, recv) if t is not None and t.is_cuda]  # CUDA: the issuer's work
         self.error = None                       # a mismatched collective, found when the halves met
 
     def done(self):
@@ -122,7 +143,7 @@ class Exchange:
         """This exchange's send meets the receive of `to`: the payload moves now."""
         self.sent = to.got = True
         try:
-            ops._expect(to.rank, to.kind, to.recv, self.rank, ops._describe(self.kind, self.send))
+            _expect(to.rank, to.kind, to.recv, self.rank, ops._describe(self.kind, self.send))
         except ValueError as e:
             to.error = e
             return

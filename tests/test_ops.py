@@ -338,6 +338,7 @@ def _fixed_cases(comm, save_dir=None):
     b = torch.tensor([True, False, True]) if r == 0 else torch.zeros(3, dtype=torch.bool)
     ops.broadcast(f, comm), ops.broadcast(b, comm)
     out.append((f, b))
+    out.append(_headers(comm))
     # a mismatch on the native path is caught by the header check before any payload
     # moves, on every rank, so the world stays usable afterwards.
     comm.native = True
@@ -360,6 +361,19 @@ def _fixed_cases(comm, save_dir=None):
     else:
         ops.all_gather(torch.ones(4), comm)
     return "no error"
+
+
+def _headers(comm):
+    """comm.headers, a Group's (its comm's, read live), and on processes the same after
+    check=False (the constructor's name for it): what the engine asks before it starts
+    torch's collectives in flight."""
+    group = ops.Group(comm, [comm.rank])
+    seen = [comm.headers, group.headers]
+    if isinstance(comm, ops.ProcessComm):
+        comm.check = False
+        seen += [comm.headers, group.headers, comm.check]
+        comm.check = True
+    return seen
 
 
 def _planted(comm):
@@ -410,6 +424,8 @@ def test_processes_match_threads(tmp_path):
         f, b = p[len(PROC_CASES)]
         assert_bits_equal(f, torch.arange(5.0))
         assert b.dtype == torch.bool and b.tolist() == [True, False, True]
+        assert p[len(PROC_CASES) + 1] == [True, True, False, False, False]  # check=True, then False
+        assert t[len(PROC_CASES) + 1] == [False, False]  # a thread's message checks itself, free
         assert "mismatched" in p[-2] and "mismatched" in t[-2]
         assert_bits_equal(p[-1], torch.full((PROC_N,), float(PROC_N)))
 
