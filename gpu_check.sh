@@ -9,8 +9,8 @@
 #                 every stage, fp32/bf16/fp16, overlap, the same bits across stages)
 # 2. stage0/3     torchrun, 1 process: train_gpt.py --preset gpt2 --steps 30, native
 #                 collectives on NCCL: tok/s, MFU, peak max_memory_allocated vs the formula
-# 3. bench        bench.py --gpu: a plain torch loop against minizero in one process (the
-#                 overhead ratio), and the native rows at the world size the GPUs allow
+# 3. bench        python -m bench --gpu: a plain torch loop against minizero in one process
+#                 (the overhead ratio), and the native rows at the world size the GPUs allow
 # With 2+ GPUs, also:
 # 4. strict       test_equivalence.py again, under NCCL's point-to-point rules (strict_p2p)
 # 5. N ranks      torchrun, N = min(4, GPUs) processes: train_gpt.py at stages 0 and 3, on
@@ -101,7 +101,7 @@ for stage in 0 3; do
     step "stage$stage" "$train_limit" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 \
         train_gpt.py "${size[@]}" --stage "$stage" --native
 done
-step bench "$bench_limit" "$PY" bench.py --gpu
+step bench "$bench_limit" "$PY" -m bench --gpu
 if ((ranks > 1)); then
     step strict 150 env MINIZERO_DEVICE=cuda MINIZERO_STRICT_P2P=1 HYPOTHESIS_PROFILE=quick \
         CUBLAS_WORKSPACE_CONFIG=:4096:8 "$PY" -m pytest -q test_equivalence.py

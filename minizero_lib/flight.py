@@ -5,7 +5,7 @@ Every collective of ops.py (reduce_scatter, all_gather, all_reduce, broadcast) i
 record on its communicator's Flight: a sequence number, the kind the ledger books it
 under, dtype and size, the phase and unit the engine was in (forward gather, backward
 regather, gradient reduction, parameter share, ...), step, micro-batch, start and end.
-A record is a short list and a clock read: cheap enough to be always on (bench.py
+A record is a short list and a clock read: cheap enough to be always on (python -m bench
 measures it). torch's NCCL flight recorder is the model; minizero's ranks compare theirs
 while the collective runs, not after the fact:
 

@@ -1,5 +1,5 @@
 """
-The two pictures of `python bench.py --plot DIR` (matplotlib, an optional extra:
+The two pictures of `python -m bench --plot DIR` (matplotlib, an optional extra:
 pip install -e ".[plot]"):
 
     memory.png    model-state bytes per rank for stages 0-3 against the world size: the
@@ -22,7 +22,7 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        print('bench.py --plot needs matplotlib, an optional extra: pip install -e ".[plot]" '
+        print('python -m bench --plot needs matplotlib, an optional extra: pip install -e ".[plot]" '
               '(or pip install matplotlib)', file=sys.stderr)
         return None
     matplotlib.use("Agg")

@@ -2,7 +2,7 @@
 The flight record (flight.py): ranks whose collectives part, or a rank that never
 arrives, are named with where each rank is and why, on thread ranks and on gloo
 processes (never a hang, never gloo's abort); minizero.check on a model with dropout;
-Engine(trace=DIR)'s Chrome trace; bench.py --plot without matplotlib.
+Engine(trace=DIR)'s Chrome trace; python -m bench --plot without matplotlib.
 """
 import json
 import re
@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import bench
 import minizero
+from bench import figures
 from minizero_lib import launch
 import ops
 from train_gpt import GPT, GPTConfig
@@ -180,6 +180,6 @@ def test_trace_is_a_chrome_trace_per_rank(tmp_path):
 
 def test_plot_without_matplotlib_says_how_to_get_it(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
-    assert bench.plot(str(tmp_path), quick=True) == 2
+    assert figures.plot(str(tmp_path), quick=True) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and 'pip install -e ".[plot]"' in err and not list(tmp_path.iterdir())
