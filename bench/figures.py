@@ -10,7 +10,7 @@ import tempfile
 import torch
 
 import minizero
-from minizero_lib import flight, launch, plots, stages
+from minizero_lib import flight, launch, plots, user_model
 from bench.common import Config, Variant, batches, build, gpt_config, meta_params
 from train_gpt import GPT
 
