@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from minizero_lib import checkpoint
+from minizero_lib import checkpoint, writer
 from minizero_lib.flight import Tracer
 from minizero_lib.checkpoint import write_master
 from minizero_lib.stages import (Unit, cast_floats, check_engine_args, check_same_model, clip_coef, comm_bytes_per_step,
@@ -471,25 +471,29 @@ class Engine:
             return offloaded_bytes(*layout, self.offload, self.offload_params, state)
         return model_state_bytes(*layout, self.offload, self.offload_params, self.reduce_dtype, state)
 
-    def save_checkpoint(self, path, meta=None):
-        """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
+    def save_checkpoint(self, path, meta=None, background=False):
+        """Collective: a sharded checkpoint in directory `path` (checkpoint.py); background=True:
+        returns after a host copy of this rank's shard, a thread writes it (writer.py)."""
         self._drain()
-        checkpoint.save(self, path, meta)
+        writer.save(self, path, meta, background)
 
     def load_checkpoint(self, path):
         """Collective: load a checkpoint saved at any world size and stage; returns its meta."""
         return checkpoint.load(self, path)
 
     def close(self):
-        """Stop the communication thread and remove disk offload's files. The model's
-        hooks refuse from now on."""
+        """Wait for a background save (collective then), stop the communication thread and
+        remove disk offload's files. The model's hooks refuse from now on."""
         if not self.closed:
             self._drain()
-            self.closed = True
-            if self.pool is not None:
-                self.pool.shutdown()
-            if self.disk is not None:
-                self.disk.close()
+            try:
+                writer.wait(self)  # (raises if that save failed: closed all the same)
+            finally:
+                self.closed = True
+                if self.pool is not None:
+                    self.pool.shutdown()
+                if self.disk is not None:
+                    self.disk.close()
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it here
