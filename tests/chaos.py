@@ -214,8 +214,10 @@ def reference(a, data):
     return ref
 
 
-def chaos(a, data):
-    ref = reference(a, data)
+def chaos(a, data, ref=None):
+    """Kill a torchrun run a.kills times; compare it with `ref`, the run never killed (None:
+    run it here). True if every kill was survived and every bit is the same."""
+    ref = ref or reference(a, data)
     d = os.path.join(a.tmp, "chaos")
     os.makedirs(d)
     open(os.path.join(d, "log.jsonl"), "w").close()
@@ -297,7 +299,7 @@ def elastic(a, data):
     return True
 
 
-def main():
+def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--world-size", type=int, default=2)
@@ -311,9 +313,14 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--elastic", type=int, help="kill every rank once at half way, restart at this many")
     p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     if a.kills < 0 or a.kills > a.steps - a.save_interval - 1:
         p.error(f"--kills must be from 0 to --steps - --save-interval - 1 = {a.steps - a.save_interval - 1}")
+    return a
+
+
+def main():
+    a = parse()
     a.tmp = tempfile.mkdtemp(prefix="chaos-")
     data = os.path.join(a.tmp, "data.txt")
     import train_gpt  # (the standard library's own sources: a cut of them is enough)
