@@ -17,6 +17,7 @@ every rank. So the directory must be one that every rank sees (as it is for load
 import json
 import os
 import threading
+import time
 import weakref
 
 import torch
@@ -95,6 +96,7 @@ class Write:
     def run(self):
         """The background thread: the shard, then on rank 0 the manifest, as soon as every
         rank's digest file is there (no collective here: training's own run meanwhile)."""
+        time.sleep(0.001)  # first the GIL back to save()'s caller, which returns at once
         self.write_shard(report=True)
         files = [os.path.join(self.path, f"shard-{self.tag}-{j}.pt.sha256")
                  for j in range(self.world_size)]

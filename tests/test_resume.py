@@ -79,6 +79,23 @@ def test_a_failed_background_write_raises_at_the_next_save_or_close(tmp_path, mo
     assert checkpoint.checkpoints(str(tmp_path)) == [checkpoint.step_dir(str(tmp_path), i) for i in range(fails)][::-1]
 
 
+def _counters(comm, path, load):
+    """The fp16 loss scale and step and skip counts: set and saved, or loaded."""
+    engine = minizero.Engine(tg.GPT(tg.GPTConfig(1, 1, 8, 8)), comm, 1, dtype=torch.float16)
+    if load:
+        engine.load_checkpoint(path)
+    else:
+        engine.t, engine.scale, engine.clean_steps, engine.skipped, engine.skips_in_row = 5, 512.0, 3, 4, 2
+        engine.save_checkpoint(path, background=True)
+        engine.close()
+    return engine.t, engine.scale, engine.clean_steps, engine.skipped, engine.skips_in_row
+
+
+def test_the_loss_scale_and_skip_counts_come_back(tmp_path):
+    saved = launch.run_threads(_counters, 2, str(tmp_path), False)
+    assert launch.run_threads(_counters, 2, str(tmp_path), True) == saved == [(5, 512.0, 3, 4, 2)] * 2
+
+
 def test_the_newest_complete_checkpoint_and_pruning(tmp_path):
     c = case("fp32", steps=4)
     model, batches = make(c)
