@@ -58,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        p = self.dropout if self.training else 0.0
+        p = self.dropout if self.training else 0.0  # (0: the identity, and no RNG drawn)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash if it can
         return F.dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), p)
 

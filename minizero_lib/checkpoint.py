@@ -249,8 +249,10 @@ def read_manifest(path):
     """The manifest of the checkpoint in directory `path`, checked whole (validate_manifest)."""
     mpath = os.path.join(path, "manifest.json")
     if not os.path.exists(mpath):
-        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing "
-                                f"(a save that never finished leaves no manifest)")
+        newest = checkpoints(path)  # (a training run's folder of them: name the one to read)
+        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing " + (
+            f"(its newest complete checkpoint is {newest[0]})" if newest else
+            "(a save that never finished leaves no manifest)"))
     with open(mpath) as f:
         try:
             m = json.load(f)
