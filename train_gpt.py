@@ -5,6 +5,7 @@ Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in
     python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16
     python train_gpt.py --optimizer muon         # or sgd, adafactor (default adamw)
     torchrun --nproc-per-node 8 train_gpt.py --preset gpt2 --config ds_config.json
+    torchrun --max-restarts 9 --nproc-per-node 8 train_gpt.py --out-dir D --resume  # survives kills
 
 Data needs no download: byte-level tokens (vocab 256) of the Python standard library's
 own sources, or of any text file given with --data.
@@ -14,7 +15,6 @@ import math
 import os
 import sys
 import sysconfig
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +26,13 @@ import torch.nn.functional as F
 
 from minizero_lib import checkpoint
 import minizero
-from minizero_lib import launch
+from minizero_lib import launch, resume
 import ops
 from minizero_lib.ds_config import grad_accum_for, parse_ds_config, read_json
 
 # -----------------------------------------------------------------------------
-# the model: nanoGPT's GPT, without dropout (so ranks and stages stay bit-comparable)
+# the model: nanoGPT's GPT; dropout off by default (each process's torch RNG draws its masks:
+# rank threads, as the tests run, would share one RNG)
 
 
 @dataclass
@@ -42,13 +43,14 @@ class GPTConfig:
     block_size: int = 64
     vocab_size: int = 256  # bytes
     bias: bool = True
+    dropout: float = 0.0
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
         assert config.n_embd % config.n_head == 0, "n_embd must be a multiple of n_head"
-        self.n_head = config.n_head
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # q, k, v at once
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
 
@@ -56,8 +58,9 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # flash attention where it can
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        p = self.dropout if self.training else 0.0  # (0: the identity, and no RNG drawn)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)  # flash if it can
+        return F.dropout(self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C)), p)
 
 
 class MLP(nn.Module):
@@ -65,9 +68,10 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = config.dropout
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
+        return F.dropout(self.c_proj(F.gelu(self.c_fc(x))), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -121,6 +125,7 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence of {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # in the parameters' dtype
+        x = F.dropout(x, self.config.dropout, self.training)
         for block in self.transformer.h:
             x = block(x)
         logits = self.lm_head(self.transformer.ln_f(x))
@@ -193,7 +198,8 @@ DEFAULTS = dict(
     world_size=2, stage=3, dtype=None, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=True,
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
-    out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
+    out_dir=None, resume=False, save_interval=None, background_save=True, dropout=0.0,
+    seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
     trace=None, optimizer="adamw", muon_lr=0.05, momentum=None,
 )
@@ -221,10 +227,15 @@ def parse_args(argv=None):
         opt("--" + name, int)
     for name in ("lr", "min-lr", "clip"):
         opt("--" + name, float)
-    opt("--out-dir", str, "save a checkpoint here every eval interval")
+    opt("--out-dir", str, "save checkpoints here (step-N folders, the last two kept) and log.jsonl")
+    opt("--save-interval", int, "save every this many steps; None: every eval interval")
+    opt("--background-save", None, "write checkpoints on a thread while training goes on",
+        action=argparse.BooleanOptionalAction)
+    opt("--dropout", float, "nanoGPT's dropout")
     opt("--offload", str, "the optimizer's shard in host memory or in files (stages 1-3)", choices=["cpu", "disk"])
     opt("--offload-dir", str, "with --offload disk: the directory of its files")
-    opt("--resume", None, "continue from --out-dir", action="store_true", default=None)
+    opt("--resume", None, "continue from the newest complete checkpoint in --out-dir; none there: "
+        "start fresh", action="store_true", default=None)
     opt("--data", str, "train on this text file; None: the standard library's sources")
     opt("--native", None, "torch's own collectives instead of the ring; None: on under torchrun on GPUs",
         action=argparse.BooleanOptionalAction)
@@ -245,7 +256,7 @@ def parse_args(argv=None):
 
 AT_LEAST = dict(world_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1,
                 eval_interval=1, eval_iters=1, steps=0, warmup=0, sample_tokens=0, lr=0, min_lr=0, clip=0,
-                muon_lr=0, momentum=0)
+                muon_lr=0, momentum=0, save_interval=1, dropout=0)
 
 
 def check_config(cfg):
@@ -256,18 +267,13 @@ def check_config(cfg):
             raise ValueError(f"--{k.replace('_', '-')} must be at least {low}; got {cfg[k]}")
     if cfg["n_embd"] % cfg["n_head"]:
         raise ValueError(f"--n-embd {cfg['n_embd']} must be a multiple of --n-head {cfg['n_head']}")
+    if not cfg["dropout"] < 1:
+        raise ValueError(f"--dropout must be below 1; got {cfg['dropout']}")
+    resume.check_out_dir(cfg)
+    resume.resume_from(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))  # (its global batch)
     grad_accum_for(SimpleNamespace(**cfg), int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
     if cfg["data"] is not None:
         check_data(cfg["data"], cfg["block_size"])
-    if cfg["out_dir"]:
-        try:  # now, not at the first save, an eval interval of training later
-            os.makedirs(cfg["out_dir"], exist_ok=True)
-            tempfile.TemporaryFile(dir=cfg["out_dir"]).close()
-        except OSError as e:
-            raise ValueError(f"--out-dir {cfg['out_dir']} cannot be created or written ({e}); "
-                             "give a directory you can write to")
-    if cfg["resume"]:
-        check_resume(cfg["out_dir"], cfg["steps"])
     shard_size(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
     if cfg["offload"] and cfg["stage"] == 0:
         raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
@@ -289,21 +295,6 @@ def check_data(path, block_size):
         raise ValueError(f"--data {path} has {n} bytes: its train and val splits (90%, 10%) have {train} and {val}, "
                          f"but --block-size {block_size} needs {block_size + 1} in each; give a file of at least "
                          f"{10 * (block_size + 1)} bytes or a smaller --block-size")
-
-
-def check_resume(out_dir, steps):
-    if not out_dir:
-        raise ValueError("--resume needs --out-dir, the checkpoint directory to resume from")
-    try:
-        step = (checkpoint.read_manifest(out_dir).get("meta") or {}).get("step")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--resume: {e}")
-    if not isinstance(step, int):
-        raise ValueError(f"--resume: the checkpoint in {out_dir} has no training step (meta.step): "
-                         "it was not saved by train_gpt.py")
-    if step >= steps:
-        raise ValueError(f"--resume: the checkpoint in {out_dir} is at step {step}, and --steps is {steps}; "
-                         f"give --steps above {step} to train on")
 
 
 # -----------------------------------------------------------------------------
@@ -355,7 +346,9 @@ def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
     rank, N, device = comm.rank, comm.world_size, comm.device
-    c.grad_accum = grad_accum_for(c, N)
+    torch.manual_seed(c.seed + rank)  # each rank's dropout masks (checkpoints keep this RNG's state)
+    path = resume.resume_from(vars(c), N)  # None: a fresh start
+    c.grad_accum, c.save_interval = grad_accum_for(c, N), c.save_interval or c.eval_interval
     tokens_per_step = c.batch_size * c.block_size * c.grad_accum * N  # over all ranks
     cuda = device.type == "cuda"
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
@@ -364,7 +357,7 @@ def train(comm, cfg):
         comm.native = c.native
 
     data = load_data(c.data)
-    gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias)
+    gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias, c.dropout)
     model = GPT(gcfg, torch.Generator().manual_seed(c.seed)).to(device)  # the same on every rank
     n_params = model.num_params()
     engine = minizero.Engine(model, comm, c.stage, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
@@ -384,29 +377,32 @@ def train(comm, cfg):
             f"{fmt_bytes(engine.formula(offloaded=True)[where]):>12} formula (the optimizer's fp32 master and state)")
 
     start = 0
-    if c.resume:  # at any world size and stage: the engine re-cuts the saved vectors
-        start = engine.load_checkpoint(c.out_dir)["step"]
-        log(f"resumed from {c.out_dir} at step {start}")
-    # each rank its own batches; a resumed run does not replay the batches it has seen
-    gen = torch.Generator().manual_seed(c.seed + rank + 1_000_003 * start)
+    if path:  # at any world size and stage: the engine re-cuts the saved vectors
+        start = engine.load_checkpoint(path)["step"]
+        log(f"resumed from {path} at step {start}")
+    elif c.resume:
+        log(f"no complete checkpoint in {c.out_dir}: starting fresh")
     # every rank evaluates the same fixed val batches, so their val losses agree
     vgen = torch.Generator().manual_seed(c.seed)
     val_batches = [get_batch(data["val"], c.batch_size, c.block_size, vgen) for _ in range(c.eval_iters)]
 
     @torch.no_grad()
     def evaluate():
-        return sum(model(x.to(device), y.to(device))[1].item() for x, y in val_batches) / len(val_batches)
+        model.eval()  # (no dropout)
+        losses = [model(x.to(device), y.to(device))[1].item() for x, y in val_batches]
+        model.train()
+        return sum(losses) / len(losses)
 
-    train_curve, val_curve, times, skipped, comm_step = [], [], [], 0, None
+    train_curve, val_curve, times, comm_step = [], [], [], None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     for step in range(start, c.steps + 1):
         if step % c.eval_interval == 0 or step == c.steps:
             val_curve.append((step, evaluate()))
             log(f"step {step}: val loss {val_curve[-1][1]:.4f}")
-            if c.out_dir and step > start:
-                engine.save_checkpoint(c.out_dir, meta={"step": step})
-                log(f"saved checkpoint to {c.out_dir} at step {step}")
+            resume.record(c, rank, step=step, val=val_curve[-1][1])
+        if c.out_dir and step > start and (step % c.save_interval == 0 or step == c.steps):
+            resume.save(engine, c, step, log)  # (background: a thread writes it)
         if step == c.steps:
             break
         engine.lr = get_lr(step, c)
@@ -417,16 +413,16 @@ def train(comm, cfg):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for _ in range(c.grad_accum):
-            x, y = get_batch(data["train"], c.batch_size, c.block_size, gen)
+        for x, y in resume.step_batches(data["train"], c, step, rank, N):
             _, loss = model(x.to(device), y.to(device))
             engine.backward(loss)
             loss_sum += loss.item()  # .item() syncs, so the timing below is honest
-        skipped += not engine.step()
+        engine.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss_sum / c.grad_accum))
+        resume.record(c, rank, step=step, loss=train_curve[-1][1])
         if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
             expect = engine.formula(sent=True)
@@ -447,21 +443,24 @@ def train(comm, cfg):
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
     log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s" + (f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else "")
-        + (f", {skipped} steps skipped for non-finite gradients" if skipped else ""))
+        + (f", {engine.scaler.skipped} steps skipped for non-finite gradients" if engine.scaler.skipped else ""))
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
         "the rest is activations, buffers and (on CPU) torch itself")
     # generation runs on every rank (stage 3 gathers collectively); the same seed draws the same text
     prompt = data["val"][:c.block_size // 2].long()[None].to(device)
+    model.eval()
     out = model.generate(prompt, c.sample_tokens, temperature=0.8, top_k=50,
                          generator=torch.Generator(device).manual_seed(c.seed))
     sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
     log("-" * 40 + "\n" + sample + "\n" + "-" * 40)
     if c.trace:
         log(f"trace of the first steps: {c.trace}/rank{{0..{N - 1}}}.json (open in ui.perfetto.dev)")
-    engine.close()  # (disk offload: its files go now)
+    engine.close()  # the background save committed; (disk offload: its files go now)
+    if c.out_dir and rank == 0:
+        checkpoint.prune(c.out_dir)
     return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem,
-                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=skipped, sample=sample)
+                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=engine.scaler.skipped, sample=sample)
 
 
 def train_entry(comm, cfg):

@@ -1,22 +1,26 @@
 """
 Checkpoints of a minizero Engine: one shard file per rank and a manifest written last.
 
-    save(engine, dir)          collective: every rank writes its shard, then rank 0 the manifest
     load(engine, dir)          collective: re-cut a checkpoint of any world size and stage
     read_checkpoint(dir)       no process group: the logical (unpadded) fp32 vectors per name
     consolidate(dir)           no process group: one plain state_dict, every name of the model
+    checkpoints(root)          the complete checkpoints in root's step-N folders, newest first
+    prune(root, keep=2)        remove the older ones and the saves that never completed
 
-A checkpoint is complete only when its manifest says so. Each save writes new shard files
-(their names carry the step and a random tag), so a crash at any moment leaves the previous
-manifest and the shards it names untouched.
+Saving (writer.py: every rank writes its shard, inline or on a thread, then rank 0 the
+manifest) makes a checkpoint complete only when its manifest says so. Each save writes new
+shard files (their names carry the step and a random tag), so a crash at any moment leaves
+the previous manifest and the shards it names untouched.
 
-The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scale, the world
+The manifest (JSON) holds: the format name, the tag and step, the fp16 loss scale and skip
+counts, the world
 size, stage and dtype it was saved at, the model's state_dict names, the optimizer and its
 hyperparameters, and per unit its parameters (name, tied aliases, shape, offset in the unit's
 flat layout, the update it gets and its state's keys, and its step count: a parameter with
 no gradient in a step is not stepped). Shard k holds the k-th of N pieces of every unit's
 fp32 master and the optimizer state of that range (optimizers.state_layout; rank k's,
-unless hybrid: see piece()); shard 0 also holds the frozen parameters and buffers. A shard
+unless hybrid: see piece()) and its rank's torch RNG state (dropout's: restored on a load at
+the same world size); shard 0 also holds the frozen parameters and buffers. A shard
 is checked against its sha256 in the manifest. The pieces in order are the layout, so a
 checkpoint of any world size, shard size, stage and optimizer layout loads at any other.
 """
@@ -26,10 +30,11 @@ import io
 import json
 import math
 import os
+import shutil
 
 import torch
 
-from ops import PeerFailed, all_gather, broadcast
+from ops import all_gather
 from minizero_lib.optimizers import state_layout
 
 FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
@@ -41,54 +46,6 @@ FIELDS = {  # what load() and read_checkpoint() rely on, per part of the manifes
     "param": {"name": str, "aliases": list, "shape": list, "offset": int, "steps": int},
     "shard": {"file": str, "sha256": str},
 }
-
-
-def save(engine, path, meta=None):
-    """Collective. Each rank writes its shard; once every rank reports its shard safely on
-    disk, rank 0 writes the manifest, which alone makes the checkpoint complete. `meta`
-    (JSON: the training step, say) rides in the manifest and comes back from load()."""
-    if engine.micro:
-        raise RuntimeError("save_checkpoint() between backward() and step(); save after step()")
-    comm, N = engine.comm, engine.comm.world_size
-    k = piece(engine, comm.rank)  # which 1/N of the layout this rank saves
-    os.makedirs(path, exist_ok=True)
-    nonce = broadcast(torch.randint(0, 2**31, (1,), device=engine.device), comm, kind="checkpoint")
-    tag = f"{engine.t:08d}-{int(nonce):08x}"  # new files never overwrite the complete checkpoint's
-    shard = {"units": [{key: t.cpu() for key, t in my_state(engine, u, k).items()} for u in engine.units]}
-    if k == 0:  # frozen parameters and buffers, as full_state_dict gives them
-        shard["extra"] = {n: (t.float() if t.is_floating_point() else t).detach().cpu().clone()
-                          for n, t in frozen(engine).items()}
-    mine, mpath = os.path.join(path, f"shard-{tag}-{k}.pt"), os.path.join(path, "manifest.json")
-    try:
-        digest, error = write_atomic(mine, shard), ""
-    except OSError as e:
-        digest, error = bytes(32), str(e)
-    report = torch.tensor([0 if error else 1, *digest], dtype=torch.int64, device=engine.device)
-    reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
-    failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
-    if failed:  # the ranks that did write give up on a peer, so the one that could not is named
-        _remove(mine)  # a failed save leaves nothing behind: on a full disk, the retry needs the space
-        raise (RuntimeError if error else PeerFailed)(
-            f"checkpoint not saved: rank(s) {failed} could not write their shard "
-            f"({error or 'see that rank'}); the previous checkpoint in {path} is untouched")
-    if comm.rank == 0:
-        by_piece = sorted(range(N), key=lambda j: piece(engine, j))  # the ranks that saved pieces 0, 1, ...
-        m = manifest(engine, tag, [bytes(reports[j, 1:].tolist()).hex() for j in by_piece])
-        m["meta"] = meta
-        try:
-            write_atomic(mpath, json.dumps(m, indent=1).encode())
-        except OSError as e:
-            error = str(e)
-        else:
-            keep = {s["file"] for s in m["shards"]} | {"manifest.json"}
-            for f in os.listdir(path):  # the previous checkpoint's shards and any half-written files
-                if f not in keep and (f.startswith("shard-") or f.endswith(".tmp")):
-                    os.remove(os.path.join(path, f))
-    done = all_gather(torch.tensor([0. if error else 1.], device=engine.device), comm, kind="checkpoint")
-    if done[0] != 1:  # rank 0 could not write the manifest: every rank says so and removes its shard
-        _remove(mine)
-        raise RuntimeError(f"checkpoint not saved: could not write its manifest {mpath} "
-                           f"({error or 'see rank 0'}); the previous checkpoint in {path} is untouched")
 
 
 def piece(engine, rank):
@@ -135,12 +92,14 @@ def from_params(pieces, keys, sizes, values):
     return state
 
 
-def manifest(engine, tag, digests):
+def manifest(engine, tag, meta):
+    """The manifest of a save, but for its shards (writer.Write.commit adds them, digests known)."""
     aliases, state = {}, engine.model.state_dict(keep_vars=True)
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
     return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scaler.scale,
-            "clean_steps": engine.scaler.clean_steps, "world_size": engine.comm.world_size,
+            "clean_steps": engine.scaler.clean_steps, "skipped": engine.scaler.skipped,
+            "skips_in_row": engine.scaler.skips_in_row, "world_size": engine.comm.world_size,
             "shard_size": engine.shards.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "optimizer": engine.optimizer,
@@ -152,14 +111,16 @@ def manifest(engine, tag, digests):
                                   for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets, u.steps, u.rules,
                                                                     u.keys)]}
                       for u in engine.units],
-            "shards": [{"file": f"shard-{tag}-{k}.pt", "sha256": d} for k, d in enumerate(digests)]}
+            "meta": meta}
 
 
 def load(engine, path):
     """Load a complete checkpoint saved at any world size and stage: the logical (unpadded)
     vectors are re-cut for this engine's layout. Everything is read and checked before
-    anything is changed, so a bad checkpoint leaves the engine as it was. Returns `meta`."""
-    m, params, extra = read_checkpoint(path)
+    anything is changed, so a bad checkpoint leaves the engine as it was. At the world size
+    it was saved at, each rank's torch RNG is set to the one it saved. Returns `meta`."""
+    m, params, shards = _read(path)
+    extra = shards[0]["extra"]
     if m.get("optimizer", "adamw") != engine.optimizer:
         raise ValueError(f"checkpoint {path} was saved with optimizer {m.get('optimizer', 'adamw')!r}, and this "
                          f"engine trains with {engine.optimizer!r}: its state does not carry over; build the "
@@ -190,7 +151,14 @@ def load(engine, path):
             u.flat.copy_(master)  # the live parameters, all of them
     for n, t in fixed.items():
         t.data.copy_(extra[n])
-    engine.t, engine.scaler.scale, engine.scaler.clean_steps = m["step"], m["scale"], m["clean_steps"]
+    scaler = engine.scaler
+    engine.t, scaler.scale, scaler.clean_steps = m["step"], m["scale"], m["clean_steps"]
+    scaler.skipped, scaler.skips_in_row = m.get("skipped", 0), m.get("skips_in_row", 0)
+    rng = [s["rng"] for s in shards if s.get("rank") == engine.comm.rank and "rng" in s]
+    if m["world_size"] == engine.comm.world_size and rng:  # (at another, ranks' RNGs do not map)
+        torch.set_rng_state(rng[0]["cpu"])
+        if engine.device.type == "cuda" and "cuda" in rng[0]:
+            torch.cuda.set_rng_state(rng[0]["cuda"], engine.device)
     return m.get("meta")
 
 
@@ -282,8 +250,10 @@ def read_manifest(path):
     """The manifest of the checkpoint in directory `path`, checked whole (validate_manifest)."""
     mpath = os.path.join(path, "manifest.json")
     if not os.path.exists(mpath):
-        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing "
-                                f"(a save that never finished leaves no manifest)")
+        newest = checkpoints(path)  # (a training run's folder of them: name the one to read)
+        raise FileNotFoundError(f"no complete checkpoint in {path}: {mpath} is missing " + (
+            f"(its newest complete checkpoint is {newest[0]})" if newest else
+            "(a save that never finished leaves no manifest)"))
     with open(mpath) as f:
         try:
             m = json.load(f)
@@ -346,6 +316,12 @@ def read_checkpoint(path):
     """-> (manifest, {name: {"master", and each state key: fp32 tensor (an elementwise one
     shaped as the parameter); "shape", "steps", "kind", "state"}}, {name: tensor} of frozen
     parameters and buffers). Every shard is checked against the manifest's sha256."""
+    m, params, shards = _read(path)
+    return m, params, shards[0]["extra"]
+
+
+def _read(path):
+    """read_checkpoint, with every shard as loaded (load() takes its rank's RNG from them)."""
     m = read_manifest(path)
     shards = []
     for s in m["shards"]:
@@ -376,7 +352,7 @@ def read_checkpoint(path):
                                  **{k: v.view(p["shape"]) if p["state"][k] is None else v
                                     for k, v in values.get(j, {}).items()},
                                  **{k: p[k] for k in ("shape", "steps", "kind", "state")}}
-    return m, params, shards[0]["extra"]
+    return m, params, shards
 
 
 def consolidate(path):
@@ -404,3 +380,41 @@ def _check_same(path, ours, theirs, what):
         if ours.get(n) != theirs.get(n):
             raise ValueError(f"checkpoint {path} is of another model: {what} {n} has shape "
                              f"{theirs.get(n, 'absent')} there and {ours.get(n, 'absent')} here")
+
+
+# -----------------------------------------------------------------------------
+# a training run's checkpoints: one folder per save, step_dir(root, step)
+
+
+def step_dir(root, step):
+    return os.path.join(root, f"step-{step:08d}")  # (zero-padded: name order is step order)
+
+
+def checkpoints(root):
+    """The complete checkpoints in root's step-N folders, newest first: a folder counts
+    once its manifest is whole and every shard it names is there (a save killed half-way
+    left none, or not all). A missing root has none."""
+    found = []
+    for name in sorted(os.listdir(root) if os.path.isdir(root) else [], reverse=True):
+        path = os.path.join(root, name)
+        if not name.startswith("step-"):
+            continue
+        try:
+            m = read_manifest(path)
+        except (OSError, ValueError):
+            continue
+        if all(os.path.exists(os.path.join(path, s["file"])) for s in m["shards"]):
+            found.append(path)
+    return found
+
+
+def prune(root, keep=2):
+    """Remove what no restart needs: complete checkpoints but the newest `keep`, and the
+    folders of saves older than the newest complete one that never completed. A folder
+    newer than that (a save in flight) stays."""
+    done = checkpoints(root)
+    for name in os.listdir(root) if done else []:
+        path = os.path.join(root, name)
+        old = path in done[keep:] or path not in done and path < done[0]
+        if name.startswith("step-") and old:
+            shutil.rmtree(path, ignore_errors=True)

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from ops import broadcast, split
-from minizero_lib import checkpoint
+from minizero_lib import checkpoint, writer
 from minizero_lib.agree import agree
 from minizero_lib.checkpoint import write_master
 from minizero_lib.flight import Tracer
@@ -315,24 +315,28 @@ class Engine:
         by the ledger's kinds) must be: minizero's formulas, for this layout and optimizer."""
         return engine_formula(self, offloaded, sent)
 
-    def save_checkpoint(self, path, meta=None):
-        """Collective: a sharded checkpoint in directory `path` (checkpoint.py)."""
+    def save_checkpoint(self, path, meta=None, background=False):
+        """Collective: a sharded checkpoint in directory `path` (checkpoint.py); background=True:
+        returns after a host copy of this rank's shard, a thread writes it (writer.py)."""
         self.queue.drain()
-        checkpoint.save(self, path, meta)
+        writer.save(self, path, meta, background)
 
     def load_checkpoint(self, path):
         """Collective: load a checkpoint saved at any world size and stage; returns its meta."""
         return checkpoint.load(self, path)
 
     def close(self):
-        """Stop the communication thread and remove disk offload's files. The model's
-        hooks refuse from now on."""
+        """Wait for a background save (collective then), stop the communication thread and
+        remove disk offload's files. The model's hooks refuse from now on."""
         if not self.closed:
             self.queue.drain()
-            self.closed = True
-            self.queue.close()
-            if self.disk is not None:
-                self.disk.close()
+            try:
+                writer.wait(self)  # (raises if that save failed: closed all the same)
+            finally:
+                self.closed = True
+                self.queue.close()
+                if self.disk is not None:
+                    self.disk.close()
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it there

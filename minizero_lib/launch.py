@@ -242,7 +242,16 @@ def init_from_env(timeout=300.0, check=None, native=True):
     device = None
     if torch.cuda.is_available():
         device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device)
+    kw, attempt = {}, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt != "0":
+        # torchrun's store outlives its restarts (torch issue 135712): without keys of their own,
+        # a restarted group reads the dead one's addresses, and gloo hangs or fails to connect
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=timedelta(seconds=timeout))
+        kw = dict(store=dist.PrefixStore(f"minizero/attempt-{attempt}", store),
+                  rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device,
+                            **kw)
     return ops.ProcessComm(timeout, device is None if check is None else check, native)
 
 

@@ -198,9 +198,11 @@ def test_train_loss_falls_and_stages_agree_bitwise():
 
 
 def test_save_at_two_ranks_stage3_resume_at_three_ranks_stage1(tmp_path):
-    """--out-dir saves at every eval; --resume continues at another world size and stage:
-    the first val loss after resuming is the last one before, to the bit, and training goes on."""
-    first = launch.run_threads(tg.train, 2, {**TINY, "stage": 3, "steps": 6, "out_dir": str(tmp_path)})[0]
+    """--out-dir saves at every eval; --resume continues at another world size and stage, at the
+    same global batch (grad_accum 3 x 2 ranks, then 2 x 3): the first val loss after resuming
+    is the last one before, to the bit, and training goes on."""
+    first = launch.run_threads(tg.train, 2, {**TINY, "stage": 3, "steps": 6, "grad_accum": 3,
+                                             "out_dir": str(tmp_path)})[0]
     cfg = {**TINY, "stage": 1, "steps": 12, "out_dir": str(tmp_path), "resume": True}
     second = launch.run_threads(tg.train, 3, cfg)[0]
     assert second["train"][0][0] == 6 and second["val"][0] == first["val"][-1]
