@@ -132,8 +132,7 @@ def cases(draw):
         c["engine"].update(offload=offload, offload_dir=SCRATCH.name)
     # one reduction per step (DDP's no_sync); stage 3 kept gathered, or hpZ's G ranks
     c["engine"]["reduce_every"] = draw(st.sampled_from(["micro_batch", "step", "micro_batch"]))
-    hpz = [g for g in range(2, world_size) if world_size % g == 0]
-    c["engine"]["reshard_after_forward"] = draw(st.sampled_from([True, False, True, *hpz]))
+    c["reshard"] = draw(st.sampled_from([True, False, True, "hpz"]))  # "hpz": see reshard()
     return c
 
 
@@ -175,8 +174,17 @@ def make(c):
     return model, batches
 
 
+def reshard(c):
+    """Stage 3's reshard_after_forward for case c: "hpz" is the least G dividing the shard group's
+    size S with 1 < G < S (True if there is none; S is drawn after the case in test_hybrid)."""
+    S = c["engine"].get("shard_size") or c["world_size"]
+    return next((g for g in range(2, S) if S % g == 0), True) if c.get("reshard") == "hpz" \
+        else c.get("reshard", True)
+
+
 def run_check(c, **kw):
     model, batches = make(c)
+    kw = {"reshard_after_forward": reshard(c), **kw}
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
                           world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,

@@ -359,7 +359,8 @@ def _formulas(numel, n, stage, kw, units):
     sharding = numel, S, stage, dtype
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
     modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward") if k in kw}
-    resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel, **modes)
+    resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel,
+                                 **modes)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
     return memory, comm_bytes_per_step(*sharding, kw.get("grad_accum", 1), kw.get("reduce_dtype"),
                                        n // S, whole_numel(units), **modes)

@@ -55,8 +55,9 @@ def main(argv):
                                                                          "and direction (default 400)")
         ap.add_argument("--latency-us", type=float, default=5.0, help="per ring hop, microseconds (default 5)")
         ap.add_argument("--units", type=int, default=32, help="units (layers): collectives per step (default 32)")
-        ap.add_argument("--grad-accum", type=int, help="with --gpus-per-node: micro-batches per step; also print "
-                                                       "each mode (reduce_every, stage 3's reshard_after_forward)")
+        ap.add_argument("--grad-accum", type=int,
+                        help="with --gpus-per-node: micro-batches per step; also print each mode "
+                             "(reduce_every, stage 3's reshard_after_forward)")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
         lines = plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload, a.optimizer)
@@ -66,8 +67,8 @@ def main(argv):
                                         a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype])
             if a.grad_accum is not None:
                 lines += [""] + plan_modes(a.params, a.world_size, a.gpus_per_node or a.world_size,
-                                           a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype],
-                                           a.grad_accum)
+                                           a.shard_size or a.gpus_per_node, links, a.units,
+                                           DTYPE_NAMES[a.dtype], a.grad_accum)
         print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
@@ -137,7 +138,8 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
     S = shard_size or world_size
     G = modes.get("reshard_after_forward")
     intra, inter = [0] * world_size, [0] * world_size  # per rank
-    sent = comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S, **modes)
+    sent = comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S,
+                               **modes)
     for kind, b in sent.items():
         for r in range(world_size):
             ring = G if kind == "hpz_gather" else S
@@ -147,15 +149,17 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
     return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
-def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, dtype=torch.bfloat16,
-                 grad_accum=1, reduce_every="micro_batch", reshard_after_forward=True):
+def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
+                 dtype=torch.bfloat16, grad_accum=1, reduce_every="micro_batch",
+                 reshard_after_forward=True):
     """Communication time per step in the ring model, nothing overlapped: a ring collective
     on n ranks is n-1 hops (an all-reduce 2(n-1)), each a latency, and every rank sends its
     bytes at the bandwidth of the slowest link the ring crosses (across nodes if any hop
     leaves a node). Each unit runs its own collectives: latency counts per unit. At
     grad_accum micro-batches, in a mode (reduce_every, reshard_after_forward) as formulas.py.
     -> (bandwidth seconds, latency seconds)."""
-    S, R, N, k, G = shard_size, world_size // shard_size, world_size, grad_accum, reshard_after_forward
+    S, R, N, k = shard_size, world_size // shard_size, world_size, grad_accum
+    G = reshard_after_forward
     shard_rings = [list(range(g, g + S)) for g in range(0, N, S)]
     replica_rings = [list(range(p, N, S)) for p in range(S)]
 
@@ -165,10 +169,12 @@ def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, 
     # per unit and step
     calls = {"reduce_scatter": 1 if reduce_every == "step" else k, "all_reduce": 1, "hpz_gather": k,
              "all_gather": (2 if G is True else 1) * k if stage == 3 else 1}
-    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1), "hpz_gather": G - 1}
+    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1),
+            "hpz_gather": G - 1}
     bw = {"reduce_scatter": bandwidth(shard_rings), "all_gather": bandwidth(shard_rings),
           "all_reduce": bandwidth(replica_rings),
-          "hpz_gather": type(G) is int and bandwidth([list(range(g, g + G)) for g in range(0, N, G)])}
+          "hpz_gather": type(G) is int and bandwidth([list(range(g, g + G))
+                                                      for g in range(0, N, G)])}
     sent = comm_bytes_per_step(numel, S, stage, dtype, k, replicas=R, reduce_every=reduce_every,
                                reshard_after_forward=G)
     return (sum(b / bw[k] for k, b in sent.items()),
@@ -227,19 +233,20 @@ def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, g
                 for every in ("micro_batch", "step"):
                     modes = dict(reduce_every=every, reshard_after_forward=rf)
                     memory = sum(model_state_bytes(numel, S, stage, dtype, **modes).values())
-                    link = link_bytes_per_step(numel, N, stage, node_size, dtype, grad_accum, shard_size=S,
-                                               **modes)
-                    bw, lat = ring_seconds(numel, N, stage, node_size, S, links, units, dtype, grad_accum,
-                                           **modes)
-                    rf_name = {True: "True", False: "False"}.get(rf, f"hpZ {rf}") if stage == 3 else "-"
+                    link = link_bytes_per_step(numel, N, stage, node_size, dtype, grad_accum,
+                                               shard_size=S, **modes)
+                    bw, lat = ring_seconds(numel, N, stage, node_size, S, links, units, dtype,
+                                           grad_accum, **modes)
+                    rf_name = "-" if stage < 3 else str(rf) if rf in (True, False) else f"hpZ {rf}"
                     rows.append([str(stage), every, rf_name, name, f"{memory / 1e9:.2f}",
                                  *(f"{link[k] / 1e9:.2f}" for k in ("intra", "inter", "busiest")),
                                  f"{bw + lat:.3f}", f"({bw:.3f} + {lat:.3f})"])
     widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    title = (f"each mode at --grad-accum {grad_accum} (GB per step; memory includes what a mode keeps in "
-             f"a step)\nreduce: micro_batch reduce-scatters every micro-batch; step sums locally and "
-             f"reduces once (DDP's no_sync)\nreshard (stage 3): True gathers twice per micro-batch; False "
-             f"once (kept from forward to backward); hpZ G: the backward gathers among G ranks (a node)")
+    title = (f"each mode at --grad-accum {grad_accum} (GB per step; memory includes what a mode "
+             f"keeps in a step)\nreduce: micro_batch reduce-scatters every micro-batch; step sums "
+             f"locally and reduces once (DDP's no_sync)\nreshard (stage 3): True gathers twice per "
+             f"micro-batch; False once (kept from forward to backward); hpZ G: the backward "
+             f"gathers among G ranks (a node)")
     return [title] + ["".join(c.ljust(w) for c, w in zip(r[:4], widths)) +
                       "".join(c.rjust(w) for c, w in zip(r[4:], widths[4:])) for r in rows]
 

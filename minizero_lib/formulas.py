@@ -13,7 +13,8 @@ from minizero_lib.stages import sharded
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
-                      reduce_dtype=None, state=None, reduce_every="micro_batch", reshard_after_forward=True):
+                      reduce_dtype=None, state=None, reduce_every="micro_batch",
+                      reshard_after_forward=True):
     """Bytes of model state resident per rank, for numel (padded) parameters: params and
     grads in the compute dtype; the fp32 master (fp32 compute: the params are it) and the
     optimizer's `state` fp32 elements per rank (default AdamW's m and v, cut like master:
@@ -32,7 +33,7 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
     rf = reshard_after_forward  # (stage 3's: every unit gathered, or the secondary shard)
     kept = 0 if rf is True else d * numel if rf is False else d * numel // rf
     return {"params": (0 if offload_params else d) * numel // cut["params"] + kept,
-            "grads": g * numel // cut["grads"] + (r * numel if step and cut["grads"] > 1 else 0),
+            "grads": g * numel // cut["grads"] + (r * numel if step and sharded(stage)["grads"] else 0),
             "optimizer": opt}
 
 
@@ -50,7 +51,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
-                        replicas=1, whole_numel=None, reduce_every="micro_batch", reshard_after_forward=True):
+                        replicas=1, whole_numel=None, reduce_every="micro_batch",
+                        reshard_after_forward=True):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
     over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
@@ -67,7 +69,8 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
     gathers = (2 if rf is True else 1) * grad_accum * param if sharded(stage)["params"] \
         else param if sharded(stage)["optimizer"] else grad
-    out = {"reduce_scatter": grad * (1 if reduce_every == "step" else grad_accum), "all_gather": gathers,
+    reductions = 1 if reduce_every == "step" else grad_accum
+    out = {"reduce_scatter": grad * reductions, "all_gather": gathers,
            "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype),
            "hpz_gather": grad_accum * per(rf, numel, dtype) if type(rf) is int else 0}
     if whole_numel and sharded(stage)["optimizer"]:
@@ -92,8 +95,8 @@ def engine_formula(engine, offloaded=False, sent=False):
 def engine_held(engine):
     """Engine.memory: held_bytes for an engine's units and modes."""
     e = engine
-    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, e.offload, e.offload_params,
-                      e.reduce_every, e.reshard_after_forward)
+    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, e.offload,
+                      e.offload_params, e.reduce_every, e.reshard_after_forward)
 
 
 def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False,
@@ -113,7 +116,8 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
         grad = u.reduced if cut["grads"] else u.bucket
         grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
         if cut["grads"] and reduce_every == "step":  # the local sum, whole, to the last micro-batch
-            grads += _nbytes(device, u.bucket) if u.bucket is not None else u.padded * reduce_dtype.itemsize
+            whole = u.padded * reduce_dtype.itemsize
+            grads += _nbytes(device, u.bucket) if u.bucket is not None else whole
         if cut["params"] and rf is not True:  # gathered (False) or the secondary shard (G)
             secondary = u.padded // (1 if rf is False else rf) * dtype.itemsize
             params += _nbytes(device, u.secondary) if u.secondary is not None else secondary

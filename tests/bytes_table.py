@@ -12,8 +12,9 @@ from test_bytes import MODES, N, K, run_modes
 
 def main():
     ranks = launch.run_threads(run_modes, N)
-    print(f"{N} ranks, grad_accum={K}, fp32, {sum(ranks[0][MODES[0]]['padded'])} parameters (padded); "
-          f"bytes per step (the formula's kinds) and memory per rank, measured: = formula on every rank")
+    print(f"{N} ranks, grad_accum={K}, fp32, {sum(ranks[0][MODES[0]]['padded'])} parameters "
+          f"(padded); bytes per step (the formula's kinds) and memory per rank, measured: "
+          f"= formula on every rank")
     head = ("stage", "reduce_every", "reshard", "sent/step", "=", "rs / ag / hpz", "memory", "=",
             "bits = stage 0")
     rows = [head]
@@ -24,7 +25,8 @@ def main():
         ref = [r[0, every, True]["state"] for r in ranks]
         same = all(torch.equal(r[mode]["state"][k], s[k]) for r, s in zip(ranks, ref) for k in s)
         sent, mem = ranks[0][mode]["sent"], ranks[0][mode]["memory_formula"]
-        kinds = " / ".join(str(sent.get(k, 0)) for k in ("reduce_scatter", "all_gather", "hpz_gather"))
+        kinds = " / ".join(str(sent.get(k, 0))
+                           for k in ("reduce_scatter", "all_gather", "hpz_gather"))
         rows.append((str(stage), every, str(rf) if stage == 3 else "-", str(sum(sent.values())),
                      "yes" if sent_ok else "NO", kinds, str(sum(mem.values())),
                      "yes" if mem_ok else "NO", "yes" if same else "NO"))

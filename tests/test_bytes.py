@@ -49,7 +49,8 @@ def run_modes(comm, modes=MODES, steps=2):
                 memory.append(e.memory())  # between micro-batches: reduce_every="step"'s bucket
             memory.append(e.memory())
             e.step()
-        sent = {k: comm.sent[k] - before.get(k, 0) for k in SENT_KINDS if comm.sent[k] != before.get(k, 0)}
+        sent = {k: comm.sent[k] - before.get(k, 0) for k in SENT_KINDS}
+        sent = {k: b for k, b in sent.items() if b}
         padded = [u.padded for u in e.units]
         out[stage, every, rf] = dict(sent=sent, sent_formula=e.formula(sent=True), memory=memory,
                                      memory_formula=e.formula(), kept=kept, padded=padded,
@@ -180,7 +181,9 @@ def test_planner_shows_each_mode(capsys):
     assert across["0", "micro_batch", "-", "flat"] == round((16 + 1) * 1023 / 1024 * psi, 2)
     assert across["0", "step", "-", "flat"] == round(2 * 1023 / 1024 * psi, 2)
     # hpZ over a node: the backward's gathers stay inside it; False drops them altogether
-    assert across["3", "step", "hpZ", "8"] == across["3", "step", "False", "flat"] < across["3", "step", "True", "flat"]
+    hpz, false, true = (across["3", "step", *rf] for rf in (("hpZ", "8"), ("False", "flat"),
+                                                            ("True", "flat")))
+    assert hpz == false < true
     # the shard and the secondary shard, the reduced shard and the whole bucket, AdamW's 12 bytes
     assert rows["3", "step", "hpZ", "8"][0] == round(psi / 1024 + psi / 8 + psi / 1024 + psi
                                                      + 12 * 7.5e9 / 1024 / 1e9, 2)
@@ -190,13 +193,16 @@ def test_planner_shows_each_mode(capsys):
 
 
 def test_demo_flags_and_the_ds_key():
-    cfg = tg.check_config(tg.parse_args(["--reduce-every", "step", "--reshard-after-forward", "false"]))
+    flags = "--reduce-every step --reshard-after-forward false".split()
+    cfg = tg.check_config(tg.parse_args(flags))
     assert (cfg["reduce_every"], tg.reshard_arg(cfg["reshard_after_forward"])) == ("step", False)
     assert tg.parse_args(["--preset", "gpt2"])["reduce_every"] == "step"  # as a DDP user expects
-    assert tg.parse_args(["--preset", "gpt2", "--reduce-every", "micro_batch"])["reduce_every"] == "micro_batch"
-    assert parse_ds_config({"zero_optimization": {"zero_hpz_partition_size": 8}}) == {"reshard_after_forward": 8}
-    assert parse_ds_config({"zero_optimization": {"zero_hpz_partition_size": 1}}) == {"reshard_after_forward": "true"}
+    given = tg.parse_args("--preset gpt2 --reduce-every micro_batch".split())
+    assert given["reduce_every"] == "micro_batch"
+    def hpz(g):
+        return parse_ds_config({"zero_optimization": {"zero_hpz_partition_size": g}})
+    assert hpz(8) == {"reshard_after_forward": 8} and hpz(1) == {"reshard_after_forward": "true"}
     with pytest.raises(ValueError, match="must be true, false or a number of ranks"):
         tg.check_config(tg.parse_args(["--reshard-after-forward", "maybe"]))
     with pytest.raises(ValueError, match="is for stage 3"):
-        tg.check_config(tg.parse_args(["--reshard-after-forward", "2", "--stage", "1", "--world-size", "4"]))
+        tg.check_config(tg.parse_args("--reshard-after-forward 2 --stage 1 --world-size 4".split()))
