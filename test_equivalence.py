@@ -130,9 +130,11 @@ def cases(draw):
     offload = draw(st.sampled_from([None, None, None, "disk", "cpu"]))  # stages 1-3; stage 0 is the reference
     if offload:
         c["engine"].update(offload=offload, offload_dir=SCRATCH.name)
-    # one reduction per step (DDP's no_sync); stage 3 kept gathered, or hpZ's G ranks
-    c["engine"]["reduce_every"] = draw(st.sampled_from(["micro_batch", "step", "micro_batch"]))
-    c["reshard"] = draw(st.sampled_from([True, False, True, "hpz"]))  # "hpz": see reshard()
+    # one reduction per step (DDP's no_sync); stage 3 kept gathered, or hpZ's G ranks ("hpz":
+    # reshard()). Read off the drawn seed, not drawn: the CI's derandomized examples stay the
+    # ones they were, each now in a mode
+    c["engine"]["reduce_every"] = ("micro_batch", "step", "micro_batch")[c["seed"] % 3]
+    c["reshard"] = (True, False, True, "hpz")[c["seed"] // 3 % 4]
     return c
 
 
