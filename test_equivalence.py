@@ -12,7 +12,8 @@ accumulation, clipping (mostly biting), learning rate, weight decay with or with
 decay mask, eps, compute dtype (fp16 with a loss scale that lets steps run, or one that
 overflows), an fp32 reduction, overlap, random delays in the communication, torch's own
 collectives, the optimizer (AdamW, SGD, Muon + AdamW, Adafactor, with their options) and its
-state offloaded to disk or to host memory, and whether the
+state offloaded to disk or to host memory, one reduction per micro-batch or per step
+(reduce_every), stage 3's reshard_after_forward (True, False, or G: hpZ), and whether the
 thread ranks follow NCCL's point-to-point rules (strict_p2p). check starts
 ranks 1.. from other values than rank 0. The CI profile runs 200 derandomized examples;
 ranks are threads, so they take a minute or two. A few fixed cases rerun on real gloo
@@ -129,6 +130,11 @@ def cases(draw):
     offload = draw(st.sampled_from([None, None, None, "disk", "cpu"]))  # stages 1-3; stage 0 is the reference
     if offload:
         c["engine"].update(offload=offload, offload_dir=SCRATCH.name)
+    # one reduction per step (DDP's no_sync); stage 3 kept gathered, or hpZ's G ranks ("hpz":
+    # reshard()). Read off the drawn seed, not drawn: the CI's derandomized examples stay the
+    # ones they were, each now in a mode
+    c["engine"]["reduce_every"] = ("micro_batch", "step", "micro_batch")[c["seed"] % 3]
+    c["reshard"] = (True, False, True, "hpz")[c["seed"] // 3 % 4]
     return c
 
 
@@ -170,8 +176,17 @@ def make(c):
     return model, batches
 
 
+def reshard(c):
+    """Stage 3's reshard_after_forward for case c: "hpz" is the least G dividing the shard group's
+    size S with 1 < G < S (True if there is none; S is drawn after the case in test_hybrid)."""
+    S = c["engine"].get("shard_size") or c["world_size"]
+    return next((g for g in range(2, S) if S % g == 0), True) if c.get("reshard") == "hpz" \
+        else c.get("reshard", True)
+
+
 def run_check(c, **kw):
     model, batches = make(c)
+    kw = {"reshard_after_forward": reshard(c), **kw}
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
                           world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
@@ -300,7 +315,8 @@ def gloo_world(comm):
     """Every stage of every fixed case (check's own per-rank run), and torch's DDP."""
     torch.set_num_threads(1)
     ours = [[check._rank(comm, s, _spec(c)) for s in range(4)] for c in FIXED]
-    return ours, torch_ddp(comm, FIXED[0])
+    once = dict(FIXED[0], engine=dict(FIXED[0]["engine"], reduce_every="step"))
+    return ours, torch_ddp(comm, FIXED[0]), check._rank(comm, 0, _spec(once))
 
 
 def _spec(c):
@@ -343,7 +359,7 @@ def gloo_results():
 def test_processes_equal_threads_bit_for_bit(gloo_results):
     for i, c in enumerate(FIXED):
         threads = {s: launch.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
-        for rank, (ours, _) in enumerate(gloo_results):
+        for rank, (ours, *_) in enumerate(gloo_results):
             for s in range(4):
                 for a, b in zip(ours[i][s].history, threads[s][rank].history):
                     assert_same(a.state, b.state)
@@ -353,8 +369,18 @@ def test_processes_equal_threads_bit_for_bit(gloo_results):
 
 @on_gloo
 def test_ddp_matches_torch_ddp_on_gloo(gloo_results):
-    for ours, theirs in gloo_results:
+    for ours, theirs, _ in gloo_results:
         for h, ref in zip(ours[0][0].history, theirs):
+            for name, value in ref.items():
+                torch.testing.assert_close(h.state[name], value, rtol=1e-4, atol=1e-5)
+
+
+@on_gloo
+def test_one_reduction_per_step_matches_torch_ddp_under_no_sync(gloo_results):
+    """reduce_every="step" is what DDP does under no_sync(): each rank sums its micro-batches'
+    gradients, the sum is reduced once, then torch's AdamW steps."""
+    for _, theirs, once in gloo_results:
+        for h, ref in zip(once.history, theirs):
             for name, value in ref.items():
                 torch.testing.assert_close(h.state[name], value, rtol=1e-4, atol=1e-5)
 

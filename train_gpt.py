@@ -28,7 +28,8 @@ from minizero_lib import checkpoint
 import minizero
 from minizero_lib import launch, resume
 import ops
-from minizero_lib.ds_config import grad_accum_for, parse_ds_config, read_json
+from minizero_lib.ds_config import (check_mesh, grad_accum_for, parse_ds_config, read_json, reshard_arg,
+                                    shard_size)
 
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT; dropout off by default (each process's torch RNG draws its masks:
@@ -201,13 +202,16 @@ DEFAULTS = dict(
     out_dir=None, resume=False, save_interval=None, background_save=True, dropout=0.0,
     seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
-    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None,
+    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, reduce_every="micro_batch",
+    reshard_after_forward="true",
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
     "adafactor": dict(lr=1e-2, min_lr=1e-3),
 }
-PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5)}  # 124M shape
+# GPT-2's 124M shape; one reduction per step, as nanoGPT's DDP (no_sync)
+PRESETS = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, lr=6e-4, min_lr=6e-5,
+                        reduce_every="step")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -245,6 +249,10 @@ def parse_args(argv=None):
     opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
     opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
+    opt("--reduce-every", str, "step: sum micro-batches locally, reduce once (DDP's no_sync)",
+        choices=["micro_batch", "step"])
+    opt("--reshard-after-forward", str, "stage 3: true, false (keep for backward), or N: hpZ, "
+        "backward gathers among N ranks")
     opt("--trace", str, "write each rank's Chrome trace of the first steps here (ui.perfetto.dev); 4 steps "
         "unless --steps is given")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
@@ -274,7 +282,7 @@ def check_config(cfg):
     grad_accum_for(SimpleNamespace(**cfg), int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
     if cfg["data"] is not None:
         check_data(cfg["data"], cfg["block_size"])
-    shard_size(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
+    check_mesh(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))  # --shard-size, the modes
     if cfg["offload"] and cfg["stage"] == 0:
         raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
                          "state on every rank: use --stage 1, 2 or 3")
@@ -330,18 +338,6 @@ def mfu(n_params, c, tok_s, world_size):
     return flops / peak
 
 
-def shard_size(cfg, world_size):
-    """--shard-size as a number of ranks (None: all of them), checked against the world size."""
-    s = cfg["shard_size"]
-    if s is None:
-        return None
-    s = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if s == "node" else s
-    if not str(s).isdigit() or int(s) < 1 or world_size % int(s):
-        raise ValueError(f"--shard-size {s} must be 'node' or a number of ranks that divides the world size "
-                         f"{world_size}, like {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
-    return int(s)
-
-
 def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
@@ -364,6 +360,8 @@ def train(comm, cfg):
                              decay=lambda name, p: p.dim() >= 2, dtype=dtype, grad_accum=c.grad_accum,
                              clip=c.clip or None, offload=c.offload, offload_dir=c.offload_dir,
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
+                             reduce_every=c.reduce_every,
+                             reshard_after_forward=reshard_arg(c.reshard_after_forward),
                              **optimizer_options(c))
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")

@@ -91,7 +91,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True
+    grad_accum, clip, shard_size, reduce_every, ...; units may be a function of the model;
+    reshard_after_forward is stage 3's alone, held to the others' bits). processes=True
     runs gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
@@ -161,6 +162,11 @@ def _refuse(world_sizes, engine_kw, processes, device, callables):
         raise ValueError(f"shard_size={S} must divide every world size, and "
                          f"world_sizes={tuple(world_sizes)}; give multiples of it, like "
                          f"world_sizes={(S, 2 * S)}")
+    G = engine_kw.get("reshard_after_forward", True)
+    if type(G) is int and any(((S or n) % G or not 1 < G < (S or n)) for n in world_sizes):
+        raise ValueError(f"reshard_after_forward={G} must divide every shard group's size, and be "
+                         f"smaller (world_sizes={tuple(world_sizes)}, shard_size={S}); give world "
+                         f"sizes that are multiples of {2 * G}, like world_sizes={(2 * G,)}")
     if processes and device.type == "cuda" and torch.cuda.device_count() < max(world_sizes):
         raise ValueError(f"processes=True on CUDA runs one nccl process per GPU: world size "
                          f"{max(world_sizes)} needs that many GPUs, this machine has "
@@ -251,6 +257,9 @@ def _rank(comm, stage, spec):
     if stage == 0:
         # DDP keeps all its state in memory: the reference every offload is held to.
         kw = {k: v for k, v in kw.items() if k not in ("offload", "offload_dir", "offload_params")}
+    if stage != 3:
+        # Only stage 3 gathers for forward and backward; the others are held to its bits.
+        kw.pop("reshard_after_forward", None)
     if callable(kw.get("units")):
         kw["units"] = kw["units"](model)
     # From the model's own sizes, before the engine.
@@ -288,7 +297,9 @@ def _step(engine, model, comm, spec, step, seen):
         if spec.get("seeded"):
             torch.manual_seed(seed(step, comm.rank, micro))
         engine.backward(spec["loss_fn"](model, batch))
-        grads.append([u.reduced.clone() for u in engine.units])
+        # (reduce_every="step": a reduced shard only after the last micro-batch)
+        if engine.units[0].reduced is not None:
+            grads.append([u.reduced.clone() for u in engine.units])
         kept.append(_kept_too_much(engine))
         read.append(seen[:])
         seen.clear()
@@ -347,10 +358,12 @@ def _formulas(numel, n, stage, kw, units):
     S = kw.get("shard_size") or n
     sharding = numel, S, stage, dtype
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
-    resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel)
+    modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward") if k in kw}
+    resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel,
+                                 **modes)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
     return memory, comm_bytes_per_step(*sharding, kw.get("grad_accum", 1), kw.get("reduce_dtype"),
-                                       n // S, whole_numel(units))
+                                       n // S, whole_numel(units), **modes)
 
 
 def _memory(resident, offloaded):
@@ -360,10 +373,14 @@ def _memory(resident, offloaded):
 
 def _kept_too_much(engine):
     """What a stage promises not to keep between its sync points, if it keeps it anyway."""
+    # reduce_every="step" keeps the local sum until the step's last micro-batch
+    summing = engine.reduce_every == "step" and 0 < engine.micro < engine.grad_accum
     for u in engine.units:
-        if engine.sharded["grads"] and (u.bucket is not None or
+        if engine.sharded["grads"] and ((u.bucket is not None and not summing) or
                                         any(p.grad is not None for p in u.params)):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
+        if u.secondary is not None:
+            return f"{u.names[0]}'s unit kept its secondary shard past backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"
         if engine.micro == 0 and (u.reduced is not None or u.reduced_full is not None):

@@ -5,6 +5,7 @@ The command line of `python minizero.py` (train_gpt.py has its own):
                        [--optimizer adamw|sgd|muon|adafactor]
     python minizero.py --params 7.5e9 --world-size 1024 --gpus-per-node 8 [--shard-size 8]
                        [--intra-gbps 900 --inter-gbps 400 --latency-us 5 --units 32]
+                       [--grad-accum 16]   (each mode's bytes: reduce_every, reshard_after_forward)
     python minizero.py consolidate CHECKPOINT_DIR OUT.pt
     python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] [--processes] ...
 
@@ -54,6 +55,9 @@ def main(argv):
                                                                          "and direction (default 400)")
         ap.add_argument("--latency-us", type=float, default=5.0, help="per ring hop, microseconds (default 5)")
         ap.add_argument("--units", type=int, default=32, help="units (layers): collectives per step (default 32)")
+        ap.add_argument("--grad-accum", type=int,
+                        help="with --gpus-per-node: micro-batches per step; also print each mode "
+                             "(reduce_every, stage 3's reshard_after_forward)")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
         lines = plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload, a.optimizer)
@@ -61,6 +65,10 @@ def main(argv):
             links = Links(a.intra_gbps * 1e9 / 8, a.inter_gbps * 1e9 / 8, a.latency_us * 1e-6)
             lines += [""] + plan_hybrid(a.params, a.world_size, a.gpus_per_node or a.world_size,
                                         a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype])
+            if a.grad_accum is not None:
+                lines += [""] + plan_modes(a.params, a.world_size, a.gpus_per_node or a.world_size,
+                                           a.shard_size or a.gpus_per_node, links, a.units,
+                                           DTYPE_NAMES[a.dtype], a.grad_accum)
         print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
@@ -118,42 +126,57 @@ class Links(NamedTuple):
 
 
 def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat16, grad_accum=1,
-                        reduce_dtype=None, shard_size=None):
+                        reduce_dtype=None, shard_size=None, **modes):
     """Payload bytes a node's ranks send in one step, nodes being node_size consecutive
     ranks -> {"intra": to ranks in the node, "inter": to other nodes, each the most any
     node sends; "busiest": the most one rank sends to other nodes}. A ring sends each
     rank's bytes to the next rank of its ring: the shard group's ring for the
     reduce-scatters and all-gathers, the replicas' ring for the all-reduce. Flat, one rank
     per node sends all it sends across; hybrid with S = node_size, every rank sends only
-    its all-reduce across."""
+    its all-reduce across. modes: reduce_every=, reshard_after_forward= (hpZ's G: its
+    backward gathers run on rings of G consecutive ranks)."""
     S = shard_size or world_size
+    G = modes.get("reshard_after_forward")
     intra, inter = [0] * world_size, [0] * world_size  # per rank
-    for kind, b in comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S).items():
+    sent = comm_bytes_per_step(numel, S, stage, dtype, grad_accum, reduce_dtype, world_size // S,
+                               **modes)
+    for kind, b in sent.items():
         for r in range(world_size):
-            right = (r + S) % world_size if kind == "all_reduce" else r - r % S + (r + 1) % S
+            ring = G if kind == "hpz_gather" else S
+            right = (r + S) % world_size if kind == "all_reduce" else r - r % ring + (r + 1) % ring
             (inter if right // node_size != r // node_size else intra)[r] += b
     node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
     return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
-def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units, dtype=torch.bfloat16):
+def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
+                 dtype=torch.bfloat16, grad_accum=1, reduce_every="micro_batch",
+                 reshard_after_forward=True):
     """Communication time per step in the ring model, nothing overlapped: a ring collective
     on n ranks is n-1 hops (an all-reduce 2(n-1)), each a latency, and every rank sends its
     bytes at the bandwidth of the slowest link the ring crosses (across nodes if any hop
-    leaves a node). Each unit runs its own collectives: latency counts per unit.
+    leaves a node). Each unit runs its own collectives: latency counts per unit. At
+    grad_accum micro-batches, in a mode (reduce_every, reshard_after_forward) as formulas.py.
     -> (bandwidth seconds, latency seconds)."""
-    S, R, N = shard_size, world_size // shard_size, world_size
+    S, R, N, k = shard_size, world_size // shard_size, world_size, grad_accum
+    G = reshard_after_forward
     shard_rings = [list(range(g, g + S)) for g in range(0, N, S)]
     replica_rings = [list(range(p, N, S)) for p in range(S)]
 
     def bandwidth(rings):
         crosses = any(a // node_size != b // node_size for ring in rings for a, b in zip(ring, ring[1:] + ring[:1]))
         return links.inter if crosses else links.intra
-    calls = {"reduce_scatter": 1, "all_gather": 2 if stage == 3 else 1, "all_reduce": 1}  # per unit and micro
-    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1)}
+    # per unit and step
+    calls = {"reduce_scatter": 1 if reduce_every == "step" else k, "all_reduce": 1, "hpz_gather": k,
+             "all_gather": (2 if G is True else 1) * k if stage == 3 else 1}
+    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1),
+            "hpz_gather": G - 1}
     bw = {"reduce_scatter": bandwidth(shard_rings), "all_gather": bandwidth(shard_rings),
-          "all_reduce": bandwidth(replica_rings)}
-    sent = comm_bytes_per_step(numel, S, stage, dtype, replicas=R)
+          "all_reduce": bandwidth(replica_rings),
+          "hpz_gather": type(G) is int and bandwidth([list(range(g, g + G))
+                                                      for g in range(0, N, G)])}
+    sent = comm_bytes_per_step(numel, S, stage, dtype, k, replicas=R, reduce_every=reduce_every,
+                               reshard_after_forward=G)
     return (sum(b / bw[k] for k, b in sent.items()),
             sum(calls[k] * units * hops[k] * links.latency for k in sent))
 
@@ -192,6 +215,40 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
              f"across nodes, {links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
     return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1]) + "".join(c.rjust(w) for c, w in
                                                                               zip(r[2:], widths[2:])) for r in rows]
+
+
+def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, grad_accum):
+    """Lines of the modes table at grad_accum micro-batches: per stage, sharding (flat, hybrid)
+    and mode (reduce_every; stage 3's reshard_after_forward: True, False, hpZ over a node),
+    model state per rank, the bytes inside and across nodes, and the ring model's time."""
+    if grad_accum < 1:
+        raise ValueError(f"--grad-accum must be at least 1; got {grad_accum}")
+    N, numel = world_size, -(-int(params) // world_size) * world_size
+    rows = [["stage", "reduce", "reshard", "sharding", "memory/rank", "inside/node", "across/node",
+             "across/rank", "comm s/step", "(bw + latency)"]]
+    for stage in range(4):
+        for name, S in (("flat", N), (f"hybrid {shard_size}x{N // shard_size}", shard_size)):
+            hpz = [node_size] if stage == 3 and 1 < node_size < S and S % node_size == 0 else []
+            for rf in ([True, False] + hpz if stage == 3 else [True]):
+                for every in ("micro_batch", "step"):
+                    modes = dict(reduce_every=every, reshard_after_forward=rf)
+                    memory = sum(model_state_bytes(numel, S, stage, dtype, **modes).values())
+                    link = link_bytes_per_step(numel, N, stage, node_size, dtype, grad_accum,
+                                               shard_size=S, **modes)
+                    bw, lat = ring_seconds(numel, N, stage, node_size, S, links, units, dtype,
+                                           grad_accum, **modes)
+                    rf_name = "-" if stage < 3 else str(rf) if rf in (True, False) else f"hpZ {rf}"
+                    rows.append([str(stage), every, rf_name, name, f"{memory / 1e9:.2f}",
+                                 *(f"{link[k] / 1e9:.2f}" for k in ("intra", "inter", "busiest")),
+                                 f"{bw + lat:.3f}", f"({bw:.3f} + {lat:.3f})"])
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    title = (f"each mode at --grad-accum {grad_accum} (GB per step; memory includes what a mode "
+             f"keeps in a step)\nreduce: micro_batch reduce-scatters every micro-batch; step sums "
+             f"locally and reduces once (DDP's no_sync)\nreshard (stage 3): True gathers twice per "
+             f"micro-batch; False once (kept from forward to backward); hpZ G: the backward "
+             f"gathers among G ranks (a node)")
+    return [title] + ["".join(c.ljust(w) for c, w in zip(r[:4], widths)) +
+                      "".join(c.rjust(w) for c, w in zip(r[4:], widths[4:])) for r in rows]
 
 
 BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory

@@ -1,9 +1,13 @@
 """
 DeepSpeed's JSON config (`train_gpt.py --config ds_config.json`), read as the demo's
 options: the keys minizero has, each checked, and DeepSpeed's batch rule. Any other key
-is an error that names it, never silently ignored.
+is an error that names it, never silently ignored. Then the demo's mesh options (--shard-size,
+--reduce-every, --reshard-after-forward), checked against the world size.
 """
 import json
+import os
+
+from minizero_lib.user_model import check_modes
 
 OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "disk"}  # offload_optimizer.device -> Engine(offload=...)
 OPTIMIZER = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor", "muon": "muon"}  # optimizer.type,
@@ -30,6 +34,8 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
     "zero_optimization.offload_optimizer.nvme_path": ("offload_dir", lambda v: isinstance(v, str) and v,
                                                       "a directory"),
     "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool, "true or false"),
+    # ZeRO++ hpZ: the secondary partition's size (1: none), Engine(reshard_after_forward=G)
+    "zero_optimization.zero_hpz_partition_size": ("reshard_after_forward", _int, "an integer >= 1"),
 }
 
 
@@ -58,6 +64,8 @@ def parse_ds_config(ds):
         out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
     if "offload" in out:  # DeepSpeed's NVMe offload is minizero's disk offload
         out["offload"] = OFFLOAD[out["offload"]]
+    if out.get("reshard_after_forward") == 1:  # DeepSpeed's 1: no secondary partition
+        out["reshard_after_forward"] = "true"
     if "optimizer" in out:  # (Adam is trained as AdamW: decoupled decay, as the demo always had it)
         out["optimizer"] = OPTIMIZER[str(out["optimizer"]).lower()]
     return {k: v for k, v in out.items() if k not in ("bf16", "fp16")}
@@ -89,3 +97,32 @@ def grad_accum_for(c, world_size):
         raise ValueError(f"train_batch_size {c.global_batch} = {c.batch_size} x grad_accum x {world_size} "
                          f"needs grad_accum {ga}, but gradient_accumulation_steps is {c.grad_accum}")
     return ga
+
+
+def shard_size(cfg, world_size):
+    """--shard-size as a number of ranks (None: all of them), checked against the world size."""
+    s = cfg["shard_size"]
+    if s is None:
+        return None
+    s = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if s == "node" else s
+    if not str(s).isdigit() or int(s) < 1 or world_size % int(s):
+        raise ValueError(f"--shard-size {s} must be 'node' or a number of ranks that divides the world size "
+                         f"{world_size}, like {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+    return int(s)
+
+
+def reshard_arg(value):
+    """--reshard-after-forward true|false|N (or zero_hpz_partition_size N) -> True, False or N."""
+    text = str(value).strip().lower()
+    if text in ("true", "false"):
+        return text == "true"
+    if not text.isdigit():
+        raise ValueError(f"--reshard-after-forward must be true, false or a number of ranks (hpZ); "
+                         f"got {value!r}")
+    return int(text)
+
+
+def check_mesh(cfg, world_size):
+    """--shard-size, --reduce-every and --reshard-after-forward, before any rank starts."""
+    check_modes(cfg["stage"], cfg["reduce_every"], reshard_arg(cfg["reshard_after_forward"]),
+                world_size, shard_size(cfg, world_size))

@@ -20,15 +20,16 @@ from minizero_lib import checkpoint, writer
 from minizero_lib.agree import agree
 from minizero_lib.checkpoint import write_master
 from minizero_lib.flight import Tracer
-from minizero_lib.formulas import engine_formula, held_bytes, offloaded_held
+from minizero_lib.formulas import engine_formula, engine_held, offloaded_held
 from minizero_lib.offload import check_offload, disk_update, placement
 from minizero_lib.optimizers import Hyper, choose_rules, optimizer_options
 from minizero_lib.overlap import CommQueue
 from minizero_lib.scaler import LossScaler
-from minizero_lib.stages import clip_coef, default_units, group_params, sharded
-from minizero_lib.unit import Unit
+from minizero_lib.stages import clip_coef, default_units, group_params, hpz_group, sharded
+from minizero_lib.unit import Unit, release_all
 from minizero_lib.user_model import (broadcast_buffers, cast_floats, check_engine_args,
-                                     check_same_model, materialize, meta_owners, tensors)
+                                     check_modes, check_same_model, materialize, meta_owners,
+                                     tensors)
 
 
 class Engine:
@@ -40,9 +41,10 @@ class Engine:
                  weight_decay=0.0, decay=None, dtype=torch.float32, grad_accum=1, clip=None,
                  reduce_dtype=None, loss_scale=2.0 ** 16, init=None, scale_window=1000,
                  skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
-                 offload_params=False, pin_memory=True, overlap=True, native=None,
-                 shard_size=None, trace=None, **options):
+                 offload_params=False, pin_memory=True, overlap=True, native=None, shard_size=None,
+                 trace=None, reduce_every="micro_batch", reshard_after_forward=True, **options):
         check_engine_args(model, stage, dtype, grad_accum)
+        check_modes(stage, reduce_every, reshard_after_forward, comm.world_size, shard_size)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
         check_offload(stage, offload, offload_dir, offload_params)
@@ -57,6 +59,9 @@ class Engine:
         self.sharded = sharded(stage)           # what this stage keeps 1/N of
         self.dtype = dtype                      # compute dtype of params, grads and float inputs
         self.reduce_dtype = reduce_dtype or dtype  # dtype the gradients are summed in
+        # "micro_batch", or "step": summed locally, reduced once; stage 3: True, False or G (hpZ)
+        self.reduce_every, self.reshard_after_forward = reduce_every, reshard_after_forward
+        self.hpz = hpz_group(comm, reshard_after_forward)  # hpZ: the G ranks backward gathers in
         self.optimizer = optimizer              # "adamw", "sgd", "adafactor" or "muon"
         self.lr, self.weight_decay = lr, weight_decay  # lr may change between steps
         self.options = options                  # the optimizer's other options (betas, ...)
@@ -86,7 +91,8 @@ class Engine:
         for i, (m, g) in enumerate((m, g) for m, g in zip(modules, groups) if g):
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(i, m, g, comm, self.shards, dtype, self.sharded, decay,
-                                   [rule(n, p) for n, p in g], options, place))
+                                   [rule(n, p) for n, p in g], options, place,
+                                   self.reduce_dtype if reduce_every == "step" else dtype))
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank
         # this rank's own gradients all finite? (the step's flags say which rank went bad)
@@ -144,7 +150,7 @@ class Engine:
         if u.pending is None:
             self._log(u, 0)
         phase = "backward regather" if self.in_backward else "forward gather"
-        return u.fetch(lambda job: self._submit(job, phase, u), self.shards)
+        return u.fetch(lambda job: self._submit(job, phase, u), self.shards, self.hpz)
 
     def _after_forward(self, u, module, args, out):
         if self.in_backward:  # a recomputation (activation checkpointing): backward still needs
@@ -153,16 +159,11 @@ class Engine:
             for t in tensors(out):
                 if t.requires_grad:
                     t.register_hook(_hook(weakref.ref(self), "_gather", u))
-        u.release()
+        u.reshard(self.reshard_after_forward, self.hpz, backward=torch.is_grad_enabled())
 
     def _eval_done(self, *_):
         """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
-        return None if torch.is_grad_enabled() else self._release_all()
-
-    def _release_all(self):
-        for u in self.units:
-            if u.pending is not None:
-                u.release()
+        return None if torch.is_grad_enabled() else release_all(self.units)
 
     @contextlib.contextmanager
     def gathered(self, modules=None, writable=False):
@@ -176,7 +177,7 @@ class Engine:
         units = [u for u in self.units if want is None or any(id(p) in want for p in u.params)]
         self.queue.drain()
         if self.sharded["params"]:
-            self._release_all()
+            release_all(self.units)
             for u in units:
                 u.hold(self.shards, self.device)
         self.writing = writable
@@ -210,13 +211,14 @@ class Engine:
             self.next += 1
 
     def _reduce(self, u):
-        """Reduce the unit's gradient on the communication queue (unit.reduction)."""
+        """Reduce the unit's gradient on the communication queue (unit.reduction; None: kept)."""
         job = u.reduction(self.reduce_dtype, self.micro == 0, self.micro == self.grad_accum - 1,
-                          self.shards, self.replicas)
+                          self.shards, self.replicas, self.reduce_every)
         self._log(u, 1)
         if self.comm.world_size > 1:  # which rank's own gradient went bad
             self.finite &= torch.isfinite(u.sums.sum())
-        self.queue.hold(self._submit(job, "gradient reduction", u))
+        if job is not None:
+            self.queue.hold(self._submit(job, "gradient reduction", u))
         if self.sharded["params"]:
             u.release()
 
@@ -240,7 +242,7 @@ class Engine:
         self._reduce_ready()
         self.queue.drain()
         if self.sharded["params"]:
-            self._release_all()
+            release_all(self.units)
         self.micro += 1
 
     # ---- the step: each rank updates what it keeps (unit.update)
@@ -259,10 +261,8 @@ class Engine:
             return self._skip(bad)
         # the mean over ranks, and the loss scale undone
         unscale = 1.0 / (self.comm.world_size * self.scaler.scale)
-        coef = None
-        if self.clip is not None:
-            coef = clip_coef([u.reduced.float() * unscale for u in self.units], self.clip,
-                             self.shards)
+        coef = None if self.clip is None else clip_coef(
+            [u.reduced.float() * unscale for u in self.units], self.clip, self.shards)
         hp = Hyper(self.lr, self.weight_decay, self.options, unscale, coef)
         self.comm.flight.ctx = ("parameter share", -1, self.t, 0, True)  # (the all-gathers below)
         for u in self.units:
@@ -298,9 +298,8 @@ class Engine:
         return checkpoint.full_state_dict(self)
 
     def memory(self):
-        """Bytes of model state this rank holds on its device at a step's update, by category."""
-        return held_bytes(self.units, self.device, self.stage, self.dtype, self.reduce_dtype,
-                          self.offload, self.offload_params)
+        """Bytes of model state this rank holds on its device in a step, by category (formulas.py)."""
+        return engine_held(self)
 
     def offloaded(self):
         """{where: bytes} of this rank's model state off its device: "cpu", or "disk"."""

@@ -13,19 +13,27 @@ from minizero_lib.stages import sharded
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
-                      reduce_dtype=None, state=None):
+                      reduce_dtype=None, state=None, reduce_every="micro_batch",
+                      reshard_after_forward=True):
     """Bytes of model state resident per rank, for numel (padded) parameters: params and
     grads in the compute dtype; the fp32 master (fp32 compute: the params are it) and the
     optimizer's `state` fp32 elements per rank (default AdamW's m and v, cut like master:
     16-bit AdamW keeps 2 + 2 + 12 bytes per parameter). Each is cut N ways once sharded; a
     sharded grad is the reduced shard, in reduce_dtype. Offloaded state: 0 here. Hybrid:
-    world_size is S, what a unit is cut over."""
-    d = torch.finfo(dtype).bits // 8
-    g = torch.finfo(reduce_dtype or dtype).bits // 8 if sharded(stage)["grads"] else d
+    world_size is S, what a unit is cut over. What a mode keeps within a step counts too:
+    reduce_every="step" sums in reduce_dtype (stages 0-1: the bucket; 2-3: a whole bucket
+    per unit besides the shard, +Ψ); stage 3's reshard_after_forward=False keeps every unit
+    gathered from forward to backward (+Ψ params), G a secondary shard (+Ψ/G)."""
+    d, r = torch.finfo(dtype).bits // 8, torch.finfo(reduce_dtype or dtype).bits // 8
+    step = reduce_every == "step"
+    g = r if sharded(stage)["grads"] or step else d
     cut = {k: world_size if c else 1 for k, c in sharded(stage).items()}
     state = 2 * numel // cut["optimizer"] if state is None else state
     opt = 0 if offload else (4 if d != 4 else 0) * numel // cut["optimizer"] + 4 * state
-    return {"params": (0 if offload_params else d) * numel // cut["params"], "grads": g * numel // cut["grads"],
+    rf = reshard_after_forward  # (stage 3's: every unit gathered, or the secondary shard)
+    kept = 0 if rf is True else d * numel if rf is False else d * numel // rf
+    return {"params": (0 if offload_params else d) * numel // cut["params"] + kept,
+            "grads": g * numel // cut["grads"] + (r * numel if step and sharded(stage)["grads"] else 0),
             "optimizer": opt}
 
 
@@ -43,7 +51,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
-                        replicas=1, whole_numel=None):
+                        replicas=1, whole_numel=None, reduce_every="micro_batch",
+                        reshard_after_forward=True):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
     over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
@@ -51,13 +60,19 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     params at 1-2). Hybrid: world_size is S, the shard group's ranks, and the reduced shard
     (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S.
     A sharded optimizer with whole-tensor updates gathers what they read ("optimizer",
-    GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}."""
-    S, R = world_size, replicas
+    GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}.
+    reduce_every="step": the gradients are reduce-scattered once per step, whatever grad_accum.
+    Stage 3's reshard_after_forward=False: one gather per micro-batch (the forward's); G: the
+    backward's gather runs among G ranks, (G-1)/G·Ψ each, kind "hpz_gather"."""
+    S, R, rf = world_size, replicas, reshard_after_forward
     per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
-    gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
-    out = {"reduce_scatter": grad * grad_accum, "all_gather": gathers,
-           "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype)}
+    gathers = (2 if rf is True else 1) * grad_accum * param if sharded(stage)["params"] \
+        else param if sharded(stage)["optimizer"] else grad
+    reductions = 1 if reduce_every == "step" else grad_accum
+    out = {"reduce_scatter": grad * reductions, "all_gather": gathers,
+           "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype),
+           "hpz_gather": grad_accum * per(rf, numel, dtype) if type(rf) is int else 0}
     if whole_numel and sharded(stage)["optimizer"]:
         out["optimizer"] = sum((S - 1) * (n // S) * GATHERED[k] for k, n in whole_numel.items())
     return {k: v for k, v in out.items() if v}
@@ -67,28 +82,45 @@ def engine_formula(engine, offloaded=False, sent=False):
     """Engine.formula: the formulas above for an engine's layout and optimizer."""
     e = engine
     layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
+    modes = dict(reduce_every=e.reduce_every, reshard_after_forward=e.reshard_after_forward)
     if sent:
         return comm_bytes_per_step(*layout, e.grad_accum, e.reduce_dtype, e.replicas.world_size,
-                                   whole_numel(e.units))
+                                   whole_numel(e.units), **modes)
     if offloaded:
         return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
     return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,
-                             state_numel(e.units))
+                             state_numel(e.units), **modes)
 
 
-def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False):
-    """Measured: bytes of model state the units hold on `device` at a step's update, by
-    category. Stages 2-3's reduced gradient shards live only from a step's first reduction
-    to its update: between steps, count the ones the next step makes. On a CPU run what
-    offload keeps in host memory is on "the device" too: offloaded_held counts it."""
+def engine_held(engine):
+    """Engine.memory: held_bytes for an engine's units and modes."""
+    e = engine
+    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, e.offload,
+                      e.offload_params, e.reduce_every, e.reshard_after_forward)
+
+
+def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False,
+               reduce_every="micro_batch", reshard_after_forward=True):
+    """Measured: bytes of model state the units hold on `device` in a step, by category.
+    Stages 2-3's reduced gradient shards live only from a step's first reduction to its
+    update: between steps, count the ones the next step makes; so too what a mode keeps
+    within a step (reduce_every="step": stages 2-3's whole bucket; stage 3's unit kept
+    gathered, or its secondary shard). On a CPU run what offload keeps in host memory is
+    on "the device" too: offloaded_held counts it."""
     params = grads = opt = 0
-    cut = sharded(stage)
+    cut, rf = sharded(stage), reshard_after_forward
     own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
     cpu = device.type == "cpu"
     for u in units:
         params += 0 if cpu and offload_params else _nbytes(device, u.shard if cut["params"] else u.flat)
         grad = u.reduced if cut["grads"] else u.bucket
         grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
+        if cut["grads"] and reduce_every == "step":  # the local sum, whole, to the last micro-batch
+            whole = u.padded * reduce_dtype.itemsize
+            grads += _nbytes(device, u.bucket) if u.bucket is not None else whole
+        if cut["params"] and rf is not True:  # gathered (False) or the secondary shard (G)
+            secondary = u.padded // (1 if rf is False else rf) * dtype.itemsize
+            params += _nbytes(device, u.secondary) if u.secondary is not None else secondary
         opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(), u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}
 

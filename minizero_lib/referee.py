@@ -275,9 +275,12 @@ def _torch_grad(model, names, spec, step, n, accum, loss_scale, device):
     and micro-batch, each loss times loss_scale/accum in the compute dtype, summed in fp32,
     then divided by N·loss_scale. Also the sum of |contributions| (|parts|): the scale of its
     rounding. Buffers as DDP has them: every rank's forward reads rank 0's, as its last
-    forward left them."""
+    forward left them. reduce_every="step": as DDP under no_sync(), each rank's .grad sums
+    its micro-batches in the compute dtype, and only those sums are summed across ranks."""
     total = {nm: torch.zeros_like(model.get_parameter(nm), dtype=torch.float32) for nm in names}
     parts = {nm: torch.zeros_like(t) for nm, t in total.items()}
+    no_sync = spec["engine_kw"].get("reduce_every") == "step"
+    local = [{} for _ in range(n)]  # no_sync: each rank's accumulated .grad
     buffers = list(model.buffers()) if spec["engine_kw"].get("broadcast_buffers", True) else []
     for micro in range(accum):
         # Rank 0's, broadcast before each rank's forward.
@@ -293,13 +296,18 @@ def _torch_grad(model, names, spec, step, n, accum, loss_scale, device):
             (spec["loss_fn"](model, batch).float() * (loss_scale / accum)).backward()
             for nm in names:
                 g = model.get_parameter(nm).grad
-                if g is not None:
+                if g is not None and no_sync:
+                    local[r][nm] = local[r][nm] + g if nm in local[r] else g.clone()
+                elif g is not None:
                     total[nm] += g.float()
+                if g is not None:
                     parts[nm] += g.float().abs()
             # What rank 0's forward left.
             after = [b.clone() for b in buffers] if r == 0 else after
         for b, x in zip(buffers, after):
             b.copy_(x)
+    for nm, g in ((nm, g) for grads in local for nm, g in grads.items()):
+        total[nm] += g.float()
     return ({nm: t / (n * loss_scale) for nm, t in total.items()},
             {nm: t / (n * loss_scale) for nm, t in parts.items()})
 

@@ -12,7 +12,7 @@ import torch
 from minizero_lib.user_model import map_tensors
 
 # The ledger's kinds (comm.sent's keys) that the bytes formula speaks of.
-SENT_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "optimizer")
+SENT_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "optimizer", "hpz_gather")
 # The referee's gradient tolerance, by compute dtype: a fraction of the largest sum of |parts|.
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 # The referee's update tolerance, a fraction of |param| + lr: it runs in fp32 on the engine's

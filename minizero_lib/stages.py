@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from ops import all_gather, all_reduce, reduce_scatter
+from ops import all_gather, all_reduce, reduce_scatter, split
 from minizero_lib.optimizers import update
 
 
@@ -187,7 +187,7 @@ def clip_coef(grad_shards, max_norm, group):
 
 # -----------------------------------------------------------------------------
 # helpers a first reading can skip: whole tensors for Muon and Adafactor, hybrid sharding's
-# copies, and stage 0's one all-reduce where it needs no reduce-scatter
+# copies, stage 0's one all-reduce where it needs no reduce-scatter, and hpZ's secondary shard
 
 
 def gather_whole(group, device):
@@ -211,3 +211,25 @@ def ddp_all_reduce(bucket, group):
     -> (reduced shard, whole)."""
     full = bucket if group.world_size == 1 else all_reduce(bucket, group, out=bucket)
     return chunk(full, full.numel() // group.world_size, group.rank), full
+
+
+def keep_secondary(flat, group):
+    """Stage 3 with reshard_after_forward=G (ZeRO++ hpZ), after a unit's forward: keep this
+    rank's chunk of the gathered unit at G-way granularity, the secondary shard (Ψ_u/G, in
+    the compute dtype). A local copy: nothing is sent."""
+    return chunk(flat, flat.numel() // group.world_size, group.rank).clone()
+
+
+def gather_secondary(secondary, flat, group):
+    """Stage 3 with reshard_after_forward=G, before a unit's backward: all-gather the
+    secondary shards among the G consecutive ranks of `group` (a node) into flat (each rank
+    sends (G-1)/G·Ψ_u, kind "hpz_gather"): the backward's gather never leaves the group.
+    The same bits as gather_params: both copy the one set of 16-bit values."""
+    return all_gather(secondary, group, out=flat, kind="hpz_gather")
+
+
+def hpz_group(comm, reshard_after_forward):
+    """reshard_after_forward=G (ZeRO++ hpZ): this rank's G consecutive ranks (inside its
+    shard group, as G divides S: a node), among which a unit's backward gathers; else None."""
+    G = reshard_after_forward
+    return split(comm, G)[0] if type(G) is int else None

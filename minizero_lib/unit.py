@@ -8,8 +8,11 @@ What the stage shards is held as chunk r, r this rank's place in its shard group
 ranks, or S of them when hybrid). A unit's life in one step:
 
     forward     stage 3: gather (all-gather the shards into flat), release after
+                (reshard_after_forward=False: keep it for backward; G: keep a secondary
+                shard of Ψ_u/G, which backward gathers among G ranks)
     backward    accumulate each parameter's gradient into the bucket; once all are in,
-                reduce (reduce-scatter the bucket; stage 0 also all-gathers the sum)
+                reduce (reduce-scatter the bucket; stage 0 also all-gathers the sum);
+                reduce_every="step": only in the last micro-batch, the bucket the sum
     step        update this rank's range, then share it (stages 1-2) or keep the shard (3)
 """
 import torch
@@ -17,18 +20,19 @@ import torch
 from ops import all_gather, broadcast
 from minizero_lib.optimizers import WHOLE, runs, state_keys, state_layout
 from minizero_lib.stages import (all_reduce_replicas, chunk, ddp_all_reduce, ddp_gather_grads,
-                                 ddp_update, gather_params, layout, reduce_grads, release_params,
-                                 zero_update)
+                                 ddp_update, gather_params, gather_secondary, keep_secondary,
+                                 layout, reduce_grads, release_params, zero_update)
 from minizero_lib.user_model import mark_sharded
 
 
 class Unit:
     """One unit's buffers and moves. `cut` is sharded(stage); `place` (offload.Place) says
     where the optimizer state and stage 3's shard live; `rules` is each parameter's update
-    (optimizers.py: "adamw", "sgd", "muon", "adafactor")."""
+    (optimizers.py: "adamw", "sgd", "muon", "adafactor"); `bucket_dtype` the local gradient's
+    dtype (the compute dtype; the reduce dtype under reduce_every="step", where it is a sum)."""
 
     def __init__(self, index, module, named, comm, group, dtype, cut, decay, rules, options,
-                 place):
+                 place, bucket_dtype=None):
         N, S, r = comm.world_size, group.world_size, group.rank
         self.index = index                          # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
@@ -61,9 +65,13 @@ class Unit:
         # both None when they live on disk (offload.py)
         self.master, self.state = place.optimizer_state(
             index, mine if self.shard is None else self.shard, dtype, self.sizes)
+        self.bucket_dtype = bucket_dtype or dtype  # the local gradient's dtype
         # the local gradient, whole: kept at stages 0-1, as DDP keeps its buckets; at stages
-        # 2-3 alive only from the unit's first gradient to its reduce-scatter
-        self.bucket = None if cut["grads"] else torch.zeros_like(self.flat)
+        # 2-3 alive only from the unit's first gradient to its reduce-scatter (reduce_every=
+        # "step": to the step's last micro-batch's)
+        self.bucket = None if cut["grads"] else torch.zeros_like(self.flat, dtype=self.bucket_dtype)
+        self.summing = False                        # the bucket holds earlier micro-batches' sum
+        self.secondary = None                       # hpZ: my Ψ_u/G of the unit, forward to backward
         # the reduced gradient shard, summed over micro-batches: made by a step's first
         # reduction, freed after its update
         self.reduced = None
@@ -97,17 +105,22 @@ class Unit:
 
     # ---- stage 3: gather before use, release after
 
-    def fetch(self, submit, group):
+    def fetch(self, submit, group, hpz=None):
         """Start the unit's all-gather (unless one is in flight), into memory allocated
-        here, on the compute stream, so that reusing it is ordered after its last reader."""
+        here, on the compute stream, so that reusing it is ordered after its last reader.
+        Where a forward left a secondary shard (hpZ), from it, among hpz's G ranks."""
         if self.pending is None:
             self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
             if self.viewing is not self.flat:  # after gathered() they still view what it held
                 self.point(self.flat)
-            self.pending = submit(lambda: gather_params(self.shard, self.flat, group))
+            secondary = self.secondary
+            if secondary is None:
+                self.pending = submit(lambda: gather_params(self.shard, self.flat, group))
+            else:
+                self.pending = submit(lambda: gather_secondary(secondary, self.flat, hpz))
         return self.pending
 
-    def release(self):
+    def release(self, keep_secondary=False):
         if self.held is not None:  # inside gathered(): the unit stays as it is
             return
         if self.pending is not None:
@@ -115,6 +128,22 @@ class Unit:
         self.mark(released=True)
         release_params(self.flat)
         self.pending = None
+        if not keep_secondary:
+            self.secondary = None
+
+    def reshard(self, after_forward, hpz, backward):
+        """Stage 3, after the unit's forward, as FSDP2's reshard_after_forward: True releases
+        it; False keeps it gathered for its backward (which then gathers nothing); G keeps
+        the secondary shard (hpz: this rank's group of G), which its backward gathers from.
+        With no backward to follow (an eval forward), it is released."""
+        if not backward:
+            return self.release()
+        if self.held is not None or after_forward is False:
+            return
+        if hpz is not None and self.pending is not None:
+            self.pending.wait()
+            self.secondary = keep_secondary(self.flat, hpz)
+        self.release(keep_secondary=True)
 
     def hold(self, group, device):
         """Stage 3, in engine.gathered(): all-gather the params into a buffer of their own
@@ -139,7 +168,7 @@ class Unit:
     def local_bucket(self):
         """The bucket, made at the unit's first gradient in a micro-batch (stages 2-3)."""
         if self.bucket is None:
-            self.bucket = torch.zeros(self.padded, dtype=self.flat.dtype, device=self.flat.device)
+            self.bucket = torch.zeros(self.padded, dtype=self.bucket_dtype, device=self.flat.device)
         return self.bucket
 
     def accumulate(self, i, grad, sum_it):
@@ -152,22 +181,24 @@ class Unit:
                                f"DDP needs that too)")
         o = self.offsets[i]
         dst = self.local_bucket()[o:o + grad.numel()]
-        # add: a second reentrant region's part
-        dst.add_(grad.view(-1)) if i in self.arrived else dst.copy_(grad.view(-1))
+        # add: a second reentrant region's part, or (reduce_every="step") to the earlier
+        # micro-batches' sum, in the bucket's dtype, in micro-batch order
+        dst.add_(grad.view(-1)) if i in self.arrived or self.summing else dst.copy_(grad.view(-1))
         if sum_it:
             torch.sum(dst, 0, dtype=torch.float32, out=self.sums[i])
         self.arrived.add(i)
         self.used[i] = True
         return len(self.arrived) == len(self.params)
 
-    def reduction(self, reduce_dtype, first, last, shards, replicas):
+    def reduction(self, reduce_dtype, first, last, shards, replicas, every="micro_batch"):
         """This micro-batch's reduction of the bucket, as a job for the communication queue;
         what each rank keeps of it, and when the rest goes, is the stage's. Then the bucket
-        is free (stages 2-3: dropped)."""
-        bucket = self.local_bucket()
-        for i in set(range(len(self.params))) - self.arrived:  # no gradient here: zero, as DDP
-            bucket[self.offsets[i]:self.offsets[i] + self.params[i].numel()].zero_()
-            self.sums[i] = 0
+        is free (stages 2-3: dropped). every="step": None before the last micro-batch (the
+        bucket keeps the sum: keep_sum), then one reduction of the step's whole sum."""
+        if every == "step" and not last:
+            return self.keep_sum()
+        first = first or every == "step"
+        bucket = self.zero_missing()
         local, earlier = bucket.to(reduce_dtype), None if first else self.reduced
         # stage 0 gathers the whole sum into its bucket, where the dtypes agree
         out = None if self.cut["optimizer"] or bucket.dtype != local.dtype else bucket
@@ -184,10 +215,25 @@ class Unit:
             if whole and last:  # stage 0: the whole optimizer needs the whole gradient
                 self.reduced_full = ddp_gather_grads(reduced, shards, out)
 
-        self.arrived, self.done = set(), True
+        self.arrived, self.done, self.summing = set(), True, False
         if self.cut["grads"]:  # stage 2: the full gradient is gone once reduced
             self.bucket = None
         return job
+
+    def keep_sum(self):
+        """reduce_every="step", before a step's last micro-batch: no reduction, nothing sent;
+        the bucket keeps the sum so far (at stages 2-3 too: whole, to the last micro-batch)."""
+        self.zero_missing()
+        self.arrived, self.done, self.summing = set(), True, True
+
+    def zero_missing(self):
+        """The bucket, with zeros for parameters that got no gradient in this micro-batch (as
+        DDP), unless it holds earlier micro-batches' sum: then they keep that."""
+        bucket = self.local_bucket()
+        for i in set(range(len(self.params))) - self.arrived if not self.summing else ():
+            bucket[self.offsets[i]:self.offsets[i] + self.params[i].numel()].zero_()
+            self.sums[i] = 0
+        return bucket
 
     # ---- the step: update what this rank keeps
 
@@ -210,3 +256,10 @@ def ddp_shortcut(shards, replicas):
     """Stage 0's one micro-batch as one all-reduce (stages.ddp_all_reduce): on one rank, or
     on torch's own collectives; never hybrid, whose sum crosses two groups."""
     return replicas.world_size == 1 and (shards.world_size == 1 or shards.native)
+
+
+def release_all(units):
+    """Stage 3, after a backward or an eval forward: nothing gathered, in flight or kept."""
+    for u in units:
+        if u.pending is not None or u.secondary is not None:
+            u.release()

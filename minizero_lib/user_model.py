@@ -29,6 +29,30 @@ def check_engine_args(model, stage, dtype, grad_accum):
                          f"move the model to one device (model.to(device)) first")
 
 
+def check_modes(stage, reduce_every, reshard_after_forward, world_size, shard_size):
+    """Engine(reduce_every=, reshard_after_forward=) that cannot work: a ValueError naming the
+    fix, before any collective."""
+    if reduce_every not in ("micro_batch", "step"):
+        raise ValueError(f'reduce_every must be "micro_batch" (reduce every micro-batch) or "step" '
+                         f"(sum micro-batches locally, reduce once per step: DDP's no_sync); "
+                         f"got {reduce_every!r}")
+    G = reshard_after_forward
+    if type(G) not in (bool, int):
+        raise ValueError(f"reshard_after_forward must be True, False or a number of ranks; "
+                         f"got {G!r}")
+    if G is not True and stage != 3:
+        raise ValueError(f"reshard_after_forward={G!r} is for stage 3, the stage that gathers "
+                         f"parameters for forward and backward; at stage {stage} leave it True")
+    S = shard_size if isinstance(shard_size, int) and shard_size >= 1 else world_size
+    divisors = [d for d in range(2, S) if S % d == 0]
+    if type(G) is int and G not in divisors:
+        raise ValueError(f"reshard_after_forward={G} must divide the shard group's {S} ranks, "
+                         f"1 < G < {S} (FSDP2's rule; the backward gathers among G ranks): use "
+                         + (f"one of {divisors}" if divisors else "True or False, as no such G "
+                            "exists")
+                         + " (True: release after forward; False: keep the unit gathered)")
+
+
 def check_same_model(model, comm):
     """Collective: every rank must have built the same model, the same names, shapes,
     dtypes, trainability and ties of every parameter and buffer (each later collective's

@@ -107,7 +107,7 @@ MUTANTS = [
            "order = self.bwd_order if self.in_backward else self.fwd_order", "order = self.fwd_order",
            "test_models.py::test_stage3_prefetches_the_next_unit_of_the_first_pass"),
     Mutant("stage 3 keeps a unit gathered after forward", "minizero_lib.engine:Engine._after_forward",
-           "\n    u.release()", "\n    pass", "test_check.py::test_a_correct_engine_passes"),
+           "\n    u.reshard(", "\n    0 and u.reshard(", "test_check.py::test_a_correct_engine_passes"),
     Mutant("stage 2 keeps the full gradient after its reduce-scatter", "minizero_lib.unit:Unit.reduction",
            "self.bucket = None", "pass",
            "test_check.py::test_a_correct_engine_passes"),
