@@ -54,6 +54,7 @@ class ThreadWorld:
         self.device = device          # where every rank computes (the CPU, or one shared GPU)
         self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}  # src -> dst
         self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
+        self.read_events = {}  # ranks -> per rank, the CUDA event after its read of every slot
         self.lock = threading.Lock()  # (ranks create meetings on first use)
         self.failed = threading.Event()  # set once any rank failed: the others give up instead of waiting
         self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
@@ -132,17 +133,26 @@ class ThreadWorld:
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
         ys = torch.stack([s[1] for s in slots])
-        # In place: every rank has read x before anyone overwrites it.
-        if out is x:
-            self._barrier(rank, barrier)
+        # CUDA: the stack above is only queued on my stream; an event says when it has run.
+        reads = self.reads(ranks)
+        reads[i] = nccl_model._made(ys)
+        # Every rank has queued its read of every x: now each stream waits for all of them
+        # before it writes anything (out, in place x, or x after the return), on the GPU,
+        # not the host.
+        self._barrier(rank, barrier)
+        for read in reads:
+            if read is not None:
+                torch.cuda.current_stream(ys.device).wait_event(read)
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(len(ranks), -1)[i] if op == "reduce_scatter" else ys.sum(0))
-        # The reads above are done before their owners may overwrite them.
-        if out.is_cuda:
-            torch.cuda.current_stream(out.device).synchronize()
-        # Nobody may reuse its slot until everyone has read it.
+        # Nobody may reuse its slot (nor its read event) until everyone has read it.
         self._barrier(rank, barrier)
         return out
+
+    def reads(self, ranks):
+        """The ranks' read events of their meeting (a slot per rank), made on first use."""
+        with self.lock:
+            return self.read_events.setdefault(ranks, [None] * len(ranks))
 
     def _barrier(self, rank, barrier):
         try:

@@ -274,12 +274,20 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
     return p, m, v
 
 
-@functools.lru_cache(maxsize=64)
 def scalars(device, *xs):
     """xs as 0-d fp32 tensors on device, made once. An op with a Python number converts it
     to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
-    fp32 value rounds the same (the kernels multiply in fp32 either way)."""
+    fp32 value rounds the same (the kernels multiply in fp32 either way). On a GPU, once per
+    stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.8)."""
+    return _scalars(device, torch.cuda.current_stream(device) if device.type == "cuda" else None, *xs)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalars(device, stream, *xs):
     return tuple(torch.full((), x, dtype=torch.float32, device=device) for x in xs)
+
+
+scalars.cache_clear = _scalars.cache_clear
 
 
 def sgd(p, g, buf, t, lr, momentum, nesterov, weight_decay):
