@@ -14,6 +14,7 @@ the peers that gave up on it (DESIGN.md §9).
 """
 import contextlib
 import ctypes
+import io
 import os
 import pickle
 import queue
@@ -314,13 +315,29 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, parent,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), device_id=device)
         out = fn(ops.ProcessComm(timeout, check, store=store), *args)
-        results.put(("ok", rank, pickle.dumps(out)))
+        results.put(("ok", rank, _dumps(out)))
     except BaseException as e:  # (a diagnosis ends with the rank it blames, for _blame)
         blame = f"\n{e.culprit}" if hasattr(e, "culprit") else ""
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}{blame}"))
     results.close()
     results.join_thread()  # the result is handed over: now leave without gloo's exit-time abort
     os._exit(0)
+
+
+class _HostPickler(pickle.Pickler):
+    """Pickles a rank's result with every tensor on the host: a CUDA tensor would come back
+    on that rank's GPU in the launcher (a CUDA context there per rank, and GPU memory held)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps(out):
+    buf = io.BytesIO()
+    _HostPickler(buf).dump(out)
+    return buf.getvalue()
 
 
 def _terminated(signum, frame):
@@ -330,12 +347,14 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=True):
+def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=None):
     """Spawn world_size local ranks running fn(comm, *args) (fn must be importable);
     return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed and
     this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
-    or any exception kill them all, and they kill themselves if this process dies."""
+    or any exception kill them all, and they kill themselves if this process dies. check
+    (headers, each read on the host per hop): on for gloo, off for nccl, as init_from_env."""
     _check_world_size(world_size)
+    check = backend != "nccl" if check is None else check
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
                          f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")

@@ -151,3 +151,107 @@ def test_cached_scalars_are_per_stream(monkeypatch, fake_streams):
     assert got[0][0] is got[0][1] and got[1][0] is got[1][1]  # a cache, per stream
     assert all(a is not b for a, b in zip(got[0][0], got[1][0])), "one cached tensor on two streams"
     optimizers.scalars.cache_clear()
+
+
+# -----------------------------------------------------------------------------
+# 3. no NCCL wait with a host timeout; 4. headers built on the host, sent without blocking
+
+class Recorder:
+    """Recorded device calls: Tensor.to to a GPU (non_blocking, from pinned memory?),
+    torch.tensor with a device, pin_memory's sizes, copy_ (non_blocking), Work.wait's args;
+    each with the phase the calling thread is in (phase.now)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = collections.defaultdict(list)  # call -> [(phase, details...)]
+        self.pinned = set()                          # data_ptr of tensors "pinned" here
+        self.phase = threading.local()
+        real_to, real_tensor, real_copy = torch.Tensor.to, torch.tensor, torch.Tensor.copy_
+
+        def to(t, *args, **kw):
+            device = next((a for a in args if isinstance(a, (torch.device, str))), kw.get("device"))
+            if device is not None and torch.device(device).type == "cuda":
+                self.add("to", bool(kw.get("non_blocking")), t.data_ptr() in self.pinned)
+                args = tuple(a for a in args if not isinstance(a, (torch.device, str)))
+                kw.pop("device", None)
+                return real_to(t, *args, **kw) if args or kw.get("dtype") else t
+            return real_to(t, *args, **kw)
+
+        def tensor(data, *args, **kw):
+            if kw.get("device") is not None:
+                self.add("tensor", str(kw["device"]))
+            kw.pop("device", None)
+            pin = kw.pop("pin_memory", False)
+            t = real_tensor(data, *args, **kw)
+            if pin:
+                self.pin(t)
+            return t
+
+        def copy(dst, src, non_blocking=False):
+            if dst.data_ptr() in self.pinned or src.data_ptr() in self.pinned:
+                self.add("copy", non_blocking)
+            return real_copy(dst, src, non_blocking)
+        monkeypatch.setattr(torch.Tensor, "to", to)
+        monkeypatch.setattr(torch, "tensor", tensor)
+        monkeypatch.setattr(torch.Tensor, "copy_", copy)
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: self.pin(t))
+
+    def pin(self, t):
+        self.add("pin_memory", t.numel() * t.element_size())
+        self.pinned.add(t.data_ptr())
+        return t
+
+    def add(self, call, *details):
+        self.calls[call].append((getattr(self.phase, "now", "other"), *details))
+
+
+class FakeWork:
+    def __init__(self, waits):
+        self.waits = waits
+
+    def wait(self, *args, **kw):
+        self.waits.append(args + tuple(kw.values()))
+        return True
+
+
+def _process_comm(monkeypatch, device, headers):
+    """A ProcessComm of rank 0 of 2 without a process group: torch.distributed's calls are
+    fakes that deliver a send to the receive of the same group (a loopback), recording waits."""
+    waits = []
+
+    def batch(p2p):
+        sends = [t for op, t, _ in p2p if op is dist.isend]
+        for op, t, _ in p2p:
+            if op is dist.irecv and sends:
+                t.copy_(sends[0])
+        return [FakeWork(waits) for _ in p2p]
+
+    monkeypatch.setattr(dist, "P2POp", lambda op, t, peer: (op, t, peer))
+    monkeypatch.setattr(dist, "batch_isend_irecv", batch)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, async_op=False: FakeWork(waits))
+    monkeypatch.setitem(ops._NATIVE, "all_gather",
+                        lambda out, x, group=None, async_op=False: (out.copy_(x.repeat(2)), FakeWork(waits))[1])
+    comm = object.__new__(ops.ProcessComm)
+    ops.Comm.__init__(comm, 0, 2, torch.device(device), headers, False)
+    comm.timeout, comm.groups, comm.store = ops.timedelta(seconds=120), {}, None
+    return comm, waits
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_nccl_waits_have_no_host_timeout_and_headers_are_made_on_the_host(monkeypatch, device):
+    """Work.wait(timeout) on NCCL polls the host in a sleep loop until the GPU is done (every
+    ring hop, every native collective): on NCCL the wait is the stream's, a stall is the
+    process group's timeout and the flight record's watcher; gloo's waits keep the timeout.
+    A header is made on the host and moves to the GPU from pinned memory, not blocking."""
+    rec = Recorder(monkeypatch)
+    comm, waits = _process_comm(monkeypatch, device, headers=True)
+    x, got = torch.arange(4.0), torch.empty(4)
+    comm.exchange(x, 1, got, 1, "reduce_scatter")
+    assert torch.equal(got, x)
+    comm.native = True
+    ops.all_reduce(x, comm)
+    assert len(waits) == 2 + 2 + 1 + 1  # the hop's headers and payload, send and receive; the native pair
+    timed = [w for w in waits if w]
+    assert timed == ([] if device == "cuda" else [(comm.timeout,)] * len(waits)), waits
+    assert rec.calls["tensor"] == [], "a header made on the device: a blocking copy per hop"
+    moves = rec.calls["to"]
+    assert all(nb and pinned for _, nb, pinned in moves) and len(moves) == (2 if device == "cuda" else 0), moves
