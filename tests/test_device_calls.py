@@ -6,7 +6,10 @@ recorded on it and waited for), recorders on Work.wait, on Tensor.to / copy_ / t
 is the CPU's arithmetic, and what is checked is the order of the calls a GPU would queue.
 """
 import collections
+import os
+import sys
 import threading
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -48,6 +51,7 @@ class FakeEvent:
 
     def synchronize(self):
         self.waited += 1
+        _STREAMS.stream().log.append(("host_wait", self))
 
     def query(self):
         return True
@@ -67,12 +71,13 @@ ALL = []  # every thread's fake stream, in order of first use
 
 @pytest.fixture
 def fake_streams(monkeypatch):
-    """Every tensor counts as a GPU's (nccl_model._cuda), each thread computes on a fake
+    """Every tensor counts as a GPU's (nccl_model.on_gpu), each thread computes on a fake
     stream of its own, and torch.stack / Tensor.copy_ are logged on the calling thread's."""
     ALL.clear()
-    monkeypatch.setattr(nccl_model, "_cuda", lambda t: True)
+    monkeypatch.setattr(nccl_model, "on_gpu", lambda t: True)
     monkeypatch.setattr(torch.cuda, "current_stream", _STREAMS.stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: None)
     stack, copy = torch.stack, torch.Tensor.copy_
 
     def logged_stack(ts, *a, **kw):
@@ -163,18 +168,19 @@ class Recorder:
 
     def __init__(self, monkeypatch):
         self.calls = collections.defaultdict(list)  # call -> [(phase, details...)]
-        self.pinned = set()                          # data_ptr of tensors "pinned" here
+        self.pinned = []                             # (start, end, a weak reference or None): pinned memory
         self.phase = threading.local()
         real_to, real_tensor, real_copy = torch.Tensor.to, torch.tensor, torch.Tensor.copy_
 
         def to(t, *args, **kw):
             device = next((a for a in args if isinstance(a, (torch.device, str))), kw.get("device"))
-            if device is not None and torch.device(device).type == "cuda":
-                self.add("to", bool(kw.get("non_blocking")), t.data_ptr() in self.pinned)
-                args = tuple(a for a in args if not isinstance(a, (torch.device, str)))
-                kw.pop("device", None)
-                return real_to(t, *args, **kw) if args or kw.get("dtype") else t
-            return real_to(t, *args, **kw)
+            if device is None or not (torch.device(device).type == "cuda" or self.is_pinned(t)):
+                return real_to(t, *args, **kw)
+            # A move to the GPU (or from pinned host memory to the device): a new tensor there.
+            self.add("to", bool(kw.get("non_blocking")), self.is_pinned(t))
+            args = tuple(a for a in args if not isinstance(a, (torch.device, str)))
+            kw.pop("device", None)
+            return real_to(t.clone(), *args, **kw)
 
         def tensor(data, *args, **kw):
             if kw.get("device") is not None:
@@ -183,11 +189,11 @@ class Recorder:
             pin = kw.pop("pin_memory", False)
             t = real_tensor(data, *args, **kw)
             if pin:
-                self.pin(t)
+                self.pin(t, None)
             return t
 
         def copy(dst, src, non_blocking=False):
-            if dst.data_ptr() in self.pinned or src.data_ptr() in self.pinned:
+            if self.is_pinned(dst) or self.is_pinned(src):
                 self.add("copy", non_blocking)
             return real_copy(dst, src, non_blocking)
         monkeypatch.setattr(torch.Tensor, "to", to)
@@ -195,13 +201,25 @@ class Recorder:
         monkeypatch.setattr(torch.Tensor, "copy_", copy)
         monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: self.pin(t))
 
-    def pin(self, t):
-        self.add("pin_memory", t.numel() * t.element_size())
-        self.pinned.add(t.data_ptr())
+    def pin(self, t, call="pin_memory"):
+        """Mark t pinned (call: as torch's pinned cache pins it; None: say nothing)."""
+        if call:
+            self.add(call, t.numel() * t.element_size())
+        self.pinned.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), weakref.ref(t)))
         return t
 
+    def is_pinned(self, t):
+        p = t.data_ptr()
+        return t.device.type == "cpu" and any(a <= p < b and (r is None or r() is not None)
+                                              for a, b, r in self.pinned)
+
     def add(self, call, *details):
-        self.calls[call].append((getattr(self.phase, "now", "other"), *details))
+        """One call, with its phase, details and the line of minizero that made it."""
+        f = sys._getframe(2)
+        while f and "minizero" not in f.f_code.co_filename.replace("test_", "") and "ops.py" not in f.f_code.co_filename:
+            f = f.f_back
+        where = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
+        self.calls[call].append((getattr(self.phase, "now", "other"), *details, where))
 
 
 class FakeWork:
@@ -254,4 +272,78 @@ def test_nccl_waits_have_no_host_timeout_and_headers_are_made_on_the_host(monkey
     assert timed == ([] if device == "cuda" else [(comm.timeout,)] * len(waits)), waits
     assert rec.calls["tensor"] == [], "a header made on the device: a blocking copy per hop"
     moves = rec.calls["to"]
-    assert all(nb and pinned for _, nb, pinned in moves) and len(moves) == (2 if device == "cuda" else 0), moves
+    assert all(nb and pinned for _, nb, pinned, _ in moves) and len(moves) == (2 if device == "cuda" else 0), moves
+
+
+# -----------------------------------------------------------------------------
+# 4. offload's copies queued, not blocking; 5. one pinned region per rank, offloaded()'s bytes
+
+def _offloaded_run(monkeypatch, world_size, stage, kw, steps=2):
+    """Train on thread ranks with the host state "pinned" as on a GPU (Engine's Place with
+    pin=True, cudaHostRegister recorded), every tensor outside pinned memory counted as the
+    GPU's (nccl_model.on_gpu), each thread on a fake stream; -> (recorder, engines, registered)."""
+    from test_host_reads import train
+    rec, registered, engines = Recorder(monkeypatch), [], []
+    monkeypatch.setattr(nccl_model, "on_gpu", lambda t: not rec.is_pinned(t))
+
+    def staging(t):
+        _STREAMS.stream().log.append(("staged", None))
+        return rec.pin(torch.empty(t.shape, dtype=t.dtype), "staged")
+    monkeypatch.setattr(optimizers, "pinned_like", staging)
+
+    def register(ptr, size, flags):
+        registered.append(size)
+        rec.pinned.append((ptr, ptr + size, None))
+        return 0
+    cudart = SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: 0,
+                             cudaError=SimpleNamespace(success=0))
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    real = engine_module.placement
+    monkeypatch.setattr(engine_module, "placement", lambda *a: real(*a)._replace(pin=True))
+    real_init = Engine.__init__
+
+    def init(self, *a, **k):
+        real_init(self, *a, **k)
+        engines.append(self)
+    monkeypatch.setattr(Engine, "__init__", init)
+    kw = dict(kw, offload="cpu", offload_params=stage == 3)
+    launch.run_threads(train, world_size, stage, kw, steps, rec.phase)
+    return rec, engines, registered
+
+
+@pytest.mark.parametrize("stage,optimizer", [(3, "adamw"), (1, "adamw"), (3, "muon"), (2, "adafactor")])
+def test_offload_copies_are_queued_and_read_after_an_event(monkeypatch, fake_streams, stage, optimizer):
+    """An offloaded run makes no blocking host<->device copy in forward, backward or step:
+    stage 3's shard comes in from pinned memory not blocking (stages.gather_params); the
+    step's flags are made on the host (agree.py: torch.tensor(..., device=cuda) is a blocking
+    copy); the update's copies to and from the pinned state are queued (optimizers.update),
+    and what comes to the host (the reduced gradient, Muon's and Adafactor's results) goes
+    through pinned staging, read only after an event's host wait."""
+    rec, engines, _ = _offloaded_run(monkeypatch, 2, stage, dict(optimizer=optimizer))
+    hot = ("forward", "backward", "step")
+    made_on_device = [c for c in rec.calls["tensor"] if c[0] in hot]
+    assert made_on_device == [], f"torch.tensor(..., device=) in {made_on_device[:3]}"
+    moves = [c for call in ("to", "copy") for c in rec.calls[call] if c[0] in hot]
+    blocking = [c for c in moves if not c[1]]
+    assert moves and blocking == [], f"{len(blocking)} blocking copies, e.g. {blocking[:3]}"
+    staged = [c for c in rec.calls["staged"] if c[0] == "step"]
+    assert len(staged) >= 2 * len(engines[0].units), "the reduced gradient comes over through pinned staging"
+    for s in fake_streams:
+        order = [k for k, _ in s.log if k in ("staged", "host_wait")]
+        # every staging copy is followed by the host's wait on its event before the next
+        assert all(b == "host_wait" for a, b in zip(order, order[1:] + ["end"]) if a == "staged"), order
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_one_exact_pinned_region_per_rank(monkeypatch, fake_streams, stage):
+    """Each master, state and shard pinned on its own (torch's pinned cache rounds every block
+    up to a power of two) costs up to twice the formula: a rank pins one region, registered
+    once, of exactly offloaded()'s host bytes, which is the formula; torch's cache pins no state."""
+    rec, engines, registered = _offloaded_run(monkeypatch, 2, stage, dict(dtype=torch.bfloat16), steps=1)
+    assert rec.calls["pin_memory"] == [], rec.calls["pin_memory"][:3]
+    want = [e.offloaded()["cpu"] for e in engines]
+    assert sorted(registered) == sorted(want) and want == [e.formula(offloaded=True)["cpu"] for e in engines]
+    for e in engines:
+        held = [t for u in e.units for t in (u.master, *u.state.values(), u.shard if stage == 3 else None)
+                if t is not None]
+        assert all(rec.is_pinned(t) for t in held)
