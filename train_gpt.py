@@ -418,15 +418,15 @@ def train(comm, cfg):
         t0 = time.perf_counter()
         loss_sum = 0.0
         for _ in range(c.grad_accum):
-            x, y = get_batch(data["train"], c.batch_size, c.block_size, gen)
-            _, loss = model(x.to(device), y.to(device))
+            batch = get_batch(data["train"], c.batch_size, c.block_size, gen)  # (to a GPU: pinned, queued)
+            _, loss = model(*(t.pin_memory().to(device, non_blocking=True) if cuda else t for t in batch))
             engine.backward(loss)
-            loss_sum += loss.item()  # .item() syncs, so the timing below is honest
+            loss_sum += loss.detach().double()  # read once, after the step (a read here stalls the GPU)
         skipped += not engine.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        train_curve.append((step, loss_sum / c.grad_accum))
+        train_curve.append((step, float(loss_sum) / c.grad_accum))
         if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
             expect = engine.formula(sent=True)
