@@ -260,7 +260,7 @@ class ProcessComm(Comm):
     def _header(self, kind, t, device=None):
         """The 8 numbers (64 bytes) a message carries ahead of its payload: the sender's record
         tag (sequence number, kind, phase, unit, grad mode, size), the payload's size and dtype.
-        Made on the host; to a GPU from pinned memory, not blocking; read on the host (§9.8)."""
+        Made on the host; to a GPU from pinned memory, not blocking; read on the host (§9.11)."""
         h = torch.tensor([*self.flight.tag, t.numel(), DTYPE_CODE.get(t.dtype, 0)])
         return h.pin_memory().to(device, non_blocking=True) if str(device)[:4] == "cuda" else h
 
@@ -320,7 +320,7 @@ class ProcessComm(Comm):
 
     def _wait(self, work):
         """Finish a transfer. NCCL: the stream waits, not the host (a timeout polls in a sleep loop;
-        a stall is the group's timeout and the flight watcher's, §9.8). gloo: the host, timed."""
+        a stall is the group's timeout and the flight watcher's, §9.11). gloo: the host, timed."""
         return work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
 
     def run_native(self, op, x, out, kind, ranks=None):

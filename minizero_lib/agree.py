@@ -22,7 +22,7 @@ def agree(units, finite, visits, comm, t):
     own = finite if comm.world_size > 1 else sums  # (one rank: its own gradient is the sum)
     bad = torch.stack([~own, ~sums]).double()  # on the device
     mine = [float(visits)] + [float(x) for u in units for x in u.used]
-    # Made on the host and queued to the device, not blocking (a GPU: from pinned memory, §9.8).
+    # Made on the host and queued to the device, not blocking (a GPU: from pinned memory, §9.11).
     mine = torch.tensor(mine, dtype=torch.float64, pin_memory=nccl_model.on_gpu(finite))
     mine = torch.cat([bad, mine.to(finite.device, non_blocking=True)])
     # per rank: (own gradient bad, sum bad, visits, each parameter's used flag...)

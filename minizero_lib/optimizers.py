@@ -254,7 +254,7 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
 
 
 def moved(t, device):
-    """t on device, for the offloaded update (DESIGN.md §9.8). From a GPU to the host: into
+    """t on device, for the offloaded update (DESIGN.md §9.11). From a GPU to the host: into
     pinned memory, not blocking, and the host waits on an event for that copy before it reads
     it (a blocking copy would drain the stream unannounced); other moves are not blocking
     (from pinned memory the copy is queued; from pageable memory CUDA stages it at once)."""
@@ -309,7 +309,7 @@ def scalars(device, *xs):
     """xs as 0-d fp32 tensors on device, made once. An op with a Python number converts it
     to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
     fp32 value rounds the same (the kernels multiply in fp32 either way). On a GPU, once per
-    stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.8)."""
+    stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.11)."""
     return _scalars(device, torch.cuda.current_stream(device) if device.type == "cuda" else None, *xs)
 
 

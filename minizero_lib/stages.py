@@ -164,7 +164,7 @@ def share_params(master, group, flat, shard):
 def gather_params(shard, flat, group):
     """Stage 3, before a unit's forward and again before its backward: all-gather the
     16-bit shards into the unit's flat buffer (each rank sends (N-1)/N·Ψ_u)."""
-    # (a shard offloaded: copied in from pinned memory, queued, not blocking: DESIGN.md §9.8)
+    # (a shard offloaded: copied in from pinned memory, queued, not blocking: DESIGN.md §9.11)
     return all_gather(shard.to(flat.device, non_blocking=True), group, out=flat)
 
 

@@ -1,5 +1,5 @@
 """
-The stream and host rules of the GPU path (DESIGN.md §9.8), held on the CPU by recording or
+The stream and host rules of the GPU path (DESIGN.md §9.11), held on the CPU by recording or
 faking the device calls: a fake CUDA stream per thread (its queue of work, the events
 recorded on it and waited for), recorders on Work.wait, on Tensor.to / copy_ / torch.tensor
 (their non_blocking, and the phase they run in) and on pinning. No GPU is needed: what runs
@@ -347,3 +347,30 @@ def test_one_exact_pinned_region_per_rank(monkeypatch, fake_streams, stage):
         held = [t for u in e.units for t in (u.master, *u.state.values(), u.shard if stage == 3 else None)
                 if t is not None]
         assert all(rec.is_pinned(t) for t in held)
+
+
+# -----------------------------------------------------------------------------
+# 6. a rank's result comes back to the launcher on the host
+
+def test_results_come_back_on_the_host(monkeypatch):
+    """run_processes pickles each rank's result: a CUDA tensor would come back on that rank's
+    GPU in the launcher (a context per rank there). Tensors off the host (meta stands in for
+    a GPU's, with .cpu() recorded) cross as host tensors, inside any object."""
+    import pickle
+    moved, real = [], torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t: (moved.append(t.shape), torch.zeros(t.shape))[1]
+                        if t.is_meta else real(t))
+    out = pickle.loads(launch._dumps([SimpleNamespace(w=torch.empty(3, device="meta")), {"b": torch.ones(2)}]))
+    assert moved == [torch.Size([3])] and out[0].w.device.type == "cpu" and torch.equal(out[1]["b"], torch.ones(2))
+
+
+def test_disk_offload_makes_its_state_on_the_host(monkeypatch):
+    """Disk offload's master and zero state go straight to the file: made on the host, never
+    first on the GPU (meta stands in for a GPU here, its copy to the host recorded)."""
+    real = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype)
+                        if t.is_meta and "cpu" in map(str, a) else real(t, *a, **k))
+    added = []
+    place = offload.Place("disk", disk=SimpleNamespace(add=lambda i, state: added.append(state)))
+    assert place.optimizer_state(0, torch.empty(8, device="meta"), torch.bfloat16, {"m": 8, "v": 8}) == (None, None)
+    assert {k: t.device.type for k, t in added[0].items()} == {"master": "cpu", "m": "cpu", "v": "cpu"}
