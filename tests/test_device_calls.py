@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from minizero_lib import engine as engine_module
-from minizero_lib import launch, nccl_model, offload, optimizers
+from minizero_lib import launch, offload, optimizers
 from minizero import Engine
 import ops
 
@@ -71,10 +71,10 @@ ALL = []  # every thread's fake stream, in order of first use
 
 @pytest.fixture
 def fake_streams(monkeypatch):
-    """Every tensor counts as a GPU's (nccl_model.on_gpu), each thread computes on a fake
+    """Every tensor counts as a GPU's (Tensor.is_cuda), each thread computes on a fake
     stream of its own, and torch.stack / Tensor.copy_ are logged on the calling thread's."""
     ALL.clear()
-    monkeypatch.setattr(nccl_model, "on_gpu", lambda t: True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
     monkeypatch.setattr(torch.cuda, "current_stream", _STREAMS.stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, stream: None)
@@ -281,15 +281,15 @@ def test_nccl_waits_have_no_host_timeout_and_headers_are_made_on_the_host(monkey
 def _offloaded_run(monkeypatch, world_size, stage, kw, steps=2):
     """Train on thread ranks with the host state "pinned" as on a GPU (Engine's Place with
     pin=True, cudaHostRegister recorded), every tensor outside pinned memory counted as the
-    GPU's (nccl_model.on_gpu), each thread on a fake stream; -> (recorder, engines, registered)."""
+    GPU's (Tensor.is_cuda), each thread on a fake stream; -> (recorder, engines, registered)."""
     from test_host_reads import train
     rec, registered, engines = Recorder(monkeypatch), [], []
-    monkeypatch.setattr(nccl_model, "on_gpu", lambda t: not rec.is_pinned(t))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: not rec.is_pinned(t)))
 
     def staging(t):
         _STREAMS.stream().log.append(("staged", None))
         return rec.pin(torch.empty(t.shape, dtype=t.dtype), "staged")
-    monkeypatch.setattr(optimizers, "pinned_like", staging)
+    monkeypatch.setattr(optimizers, "pinned_like", staging, raising=False)
 
     def register(ptr, size, flags):
         registered.append(size)
