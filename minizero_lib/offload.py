@@ -80,7 +80,8 @@ def pin_region(units, place):
     of two (up to twice the formula). The region is registered with CUDA (cudaHostRegister),
     so copies to and from it are queued, not blocking; the tensors become views of it.
     Returns the region (whoever holds it keeps it pinned), or None when nothing is pinned."""
-    moved = [t for u in units for t in ([u.master, *u.state.values()] if place.state == "cpu" else [])
+    moved = [t for u in units
+             for t in ([u.master, *u.state.values()] if place.state == "cpu" else [])
              + ([u.shard] if place.params == "cpu" else [])]
     # fp32 first, then the 16-bit shards: every view starts at a multiple of its element size
     host = list({id(t): t for t in sorted(moved, key=lambda t: -t.element_size())}.values())

@@ -22,7 +22,9 @@ import random
 import sys
 import threading
 import time
+import traceback
 import warnings
+from datetime import timedelta
 
 import torch
 
@@ -36,7 +38,8 @@ def versions():
     cuda = torch.cuda.is_available()
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-"
     gpu = f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}" if cuda else "no CUDA"
-    print(f"probe versions: torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, {gpu}")
+    print(f"probe versions: torch {torch.__version__}, CUDA {torch.version.cuda}, NCCL {nccl}, "
+          f"{gpu}")
 
 
 def _cycles(ms):
@@ -52,15 +55,14 @@ def wait():
     """A one-rank NCCL group: a 50 ms kernel, then an all-reduce; the host's time in wait()
     without a timeout (the stream's wait: returns at once) and with one (polls the host)."""
     import torch.distributed as dist
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
     x, cycles, out = torch.ones(1 << 20, device=CUDA), _cycles(50), {}
     for how in ("without", "with"):
         torch.cuda._sleep(cycles)
         work = dist.all_reduce(x, async_op=True)
         t = time.perf_counter()
-        work.wait() if how == "without" else work.wait(__import__("datetime").timedelta(seconds=60))
+        work.wait() if how == "without" else work.wait(timedelta(seconds=60))
         out[how] = 1000 * (time.perf_counter() - t)
         torch.cuda.synchronize()
     dist.destroy_process_group()
@@ -113,8 +115,8 @@ def syncs():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     per = 2 * 2 * steps  # two stages, two ranks
-    print(f"probe syncs: sync_debug warnings per rank-step: forward {counts['forward'] / per:g}, "
-          f"backward {counts['backward'] / per:g}, comm {counts['comm'] / per:g}, step {counts['step'] / per:g}")
+    print("probe syncs: sync_debug warnings per rank-step: " + ", ".join(
+        f"{k} {counts[k] / per:g}" for k in ("forward", "backward", "comm", "step")))
     return 1 if counts["forward"] + counts["backward"] + counts["comm"] else 0
 
 
@@ -130,19 +132,22 @@ def offload():
                 + ([u.shard] if e.offload_params else [])]
         pinned = all(t.is_pinned() for t in host)
         region = 0 if e.pinned is None else e.pinned.numel()
-        return state, pinned, e.offloaded().get("cpu", 0), e.formula(offloaded=True).get("cpu", 0), region
+        formula = e.formula(offloaded=True).get("cpu", 0)
+        return state, pinned, e.offloaded().get("cpu", 0), formula, region
     for optimizer in ("adamw", "sgd", "muon", "adafactor"):
         kw = dict(optimizer=optimizer, dtype=torch.bfloat16)
         ref = launch.run_threads(_train, 2, 0, kw, 2, phase, keep, device="cuda")
-        for stage, more in ((1, dict(offload="cpu")), (3, dict(offload="cpu", offload_params=True))):
-            got = launch.run_threads(_train, 2, stage, {**kw, **more}, 2, phase, keep, device="cuda")
+        for stage, more in ((1, {}), (3, dict(offload_params=True))):
+            more = dict(kw, offload="cpu", **more)
+            got = launch.run_threads(_train, 2, stage, more, 2, phase, keep, device="cuda")
             for (a, *_), (b, pinned, held, formula, region) in zip(ref, got):
                 same = all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
                 if not (same and pinned and held == formula == region):
                     bad.append(f"{optimizer} stage {stage}: bits {'same' if same else 'DIFFER'}, "
-                               f"pinned {pinned}, host {held:,} formula {formula:,} region {region:,}")
-    print(f"probe offload: 4 optimizers x stages 1 and 3 vs stage 0: "
-          f"{'all the same bits, pinned, host bytes = formula = one region' if not bad else '; '.join(bad)}")
+                               f"pinned {pinned}, host {held:,} formula {formula:,} "
+                               f"region {region:,}")
+    good = "all the same bits, pinned, host bytes = formula = one region"
+    print(f"probe offload: 4 optimizers x stages 1 and 3 vs stage 0: {'; '.join(bad) or good}")
     return 1 if bad else 0
 
 
@@ -180,8 +185,8 @@ def profile():
         held, formula = eng.memory(), eng.formula()
         return sum(held.values()), sum(formula.values()), 1 - busy / 1e6 / wall, wall
     held, formula, idle, wall = launch.run_threads(run, 1, device="cuda")[0]
-    print(f"probe profile: stage 3 model state {held / 2**20:.1f} MiB vs formula {formula / 2**20:.1f} MiB; "
-          f"one step {1000 * wall:.1f} ms, GPU idle {100 * idle:.0f}%")
+    print(f"probe profile: stage 3 model state {held / 2**20:.1f} MiB vs formula "
+          f"{formula / 2**20:.1f} MiB; one step {1000 * wall:.1f} ms, GPU idle {100 * idle:.0f}%")
     return 0 if held == formula else 1
 
 
@@ -230,17 +235,31 @@ def _jitter():
     nccl_model._made = late
 
 
+PROBES = dict(versions=versions, wait=wait, syncs=syncs, offload=offload, profile=profile)
+
+
 def main(argv):
-    what, args = argv[0], argv[argv.index("--") + 1:] if "--" in argv else []
-    if what in ("csan", "jitter"):
+    """`csan -- ARGS` or `jitter -- ARGS`: pytest ARGS so instrumented; else each probe named,
+    in order (one that raises says so on its line, and the rest still run)."""
+    if argv and argv[0] in ("csan", "jitter"):
         import pytest
-        _csan() if what == "csan" else _jitter()
-        return pytest.main(args)
-    return {"versions": versions, "wait": wait, "syncs": syncs, "offload": offload,
-            "profile": profile}[what]() or 0
+        _csan() if argv[0] == "csan" else _jitter()
+        return pytest.main(argv[argv.index("--") + 1:] if "--" in argv else [])
+    unknown = [a for a in argv if a not in PROBES]
+    if unknown or not argv:
+        sys.exit(f"gpu_probe.py: unknown probe {unknown[:1] or '(none)'}; the probes: "
+                 f"{', '.join(PROBES)}, csan -- ARGS, jitter -- ARGS")
+    rc = 0
+    for name in argv:
+        try:
+            rc = max(rc, PROBES[name]() or 0)
+        except Exception as e:
+            traceback.print_exc()
+            print(f"probe {name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            rc = 1
+    return rc
 
 
 if __name__ == "__main__":
     torch.set_num_threads(4)
-    sys.exit(max(main([a]) or 0 for a in sys.argv[1:] if a != "--") if "--" not in sys.argv
-             else main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

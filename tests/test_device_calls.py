@@ -101,7 +101,7 @@ def _ordered_after_every_read(log, write, streams):
         if other.log is log:
             continue
         reads = [k for k, (kind, _) in enumerate(other.log) if kind == "stack"]
-        if not any(e.where and e.where[0] is other and reads and e.where[1] > reads[0] for e in waited):
+        if not reads or not any(e.where and e.where[0] is other and e.where[1] > reads[0] for e in waited):
             return False
     return True
 
@@ -216,7 +216,8 @@ class Recorder:
     def add(self, call, *details):
         """One call, with its phase, details and the line of minizero that made it."""
         f = sys._getframe(2)
-        while f and "minizero" not in f.f_code.co_filename.replace("test_", "") and "ops.py" not in f.f_code.co_filename:
+        ours = lambda name: "minizero_lib" in name or name.endswith("ops.py")  # noqa: E731
+        while f and not ours(f.f_code.co_filename):
             f = f.f_back
         where = f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno}" if f else "?"
         self.calls[call].append((getattr(self.phase, "now", "other"), *details, where))
