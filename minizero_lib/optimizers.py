@@ -226,8 +226,8 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
             c, d = p.at.get("momentum_buffer", (0, 0))
             buf = state["momentum_buffer"][c:d] if d else None
             here = None if buf is None else buf.to(dev, non_blocking=True)
-            mine_g = g[p.a:p.b].to(dev, non_blocking=True)
-            x[p.a:p.b] = muon_momentum(here, mine_g, o["momentum"], o["nesterov"])
+            g_here = g[p.a:p.b].to(dev, non_blocking=True)
+            x[p.a:p.b] = muon_momentum(here, g_here, o["momentum"], o["nesterov"])
             if here is not buf:  # offloaded: the buffer back to the host (read after the event below)
                 buf.copy_(here, non_blocking=True)
         full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
@@ -246,7 +246,7 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
                                    o["beta2_decay"], *o["eps"], o["d"])
             for k, (c, d) in p.at.items() if gs.device != master.device else ():
                 state[k][c:d].copy_(s[k], non_blocking=True)  # (read after the event below)
-            if wd:
+            if wd:  # (master's copy to the device is done: adafactor() read its norm on the host)
                 master[p.a:p.b].mul_(1 - hp.lr * wd)
             master[p.a:p.b].add_(moved(step.reshape(-1)[w + p.a:w + p.b], master.device), alpha=-size)
     if whole_rule and offloaded:  # the state copied back to the host above is complete before it is read
