@@ -258,7 +258,7 @@ def moved(t, device):
     pinned memory, not blocking, and the host waits on an event for that copy before it reads
     it (a blocking copy would drain the stream unannounced); other moves are not blocking
     (from pinned memory the copy is queued; from pageable memory CUDA stages it at once)."""
-    if torch.device(device).type != "cpu" or not nccl_model.on_gpu(t):
+    if device.type != "cpu" or not nccl_model.on_gpu(t):
         return t.to(device, non_blocking=True)
     out = pinned_like(t)
     out.copy_(t, non_blocking=True)
