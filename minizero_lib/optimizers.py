@@ -197,8 +197,9 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)
-    offloaded = nccl_model.on_gpu(grad) and not nccl_model.on_gpu(master)  # the state on the host, the gradient on a GPU
-    grad = moved(grad, master.device)  # offloaded: the update runs on the host; the gradient comes over once,
+    # offloaded: the update runs on the host; the gradient (on a GPU) comes over once,
+    offloaded = nccl_model.on_gpu(grad) and not nccl_model.on_gpu(master)
+    grad = moved(grad, master.device)
     coef = None if hp.coef is None else moved(hp.coef, master.device)  # the clip coefficient too
     scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
@@ -228,7 +229,7 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
             here = None if buf is None else buf.to(dev, non_blocking=True)
             g_here = g[p.a:p.b].to(dev, non_blocking=True)
             x[p.a:p.b] = muon_momentum(here, g_here, o["momentum"], o["nesterov"])
-            if here is not buf:  # offloaded: the buffer back to the host (read after the event below)
+            if here is not buf:  # offloaded: the buffer back to the host (read after host_wait)
                 buf.copy_(here, non_blocking=True)
         full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
         for p, t, wd in mine:
@@ -249,7 +250,7 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
             if wd:  # (master's copy to the device is done: adafactor() read its norm on the host)
                 master[p.a:p.b].mul_(1 - hp.lr * wd)
             master[p.a:p.b].add_(moved(step.reshape(-1)[w + p.a:w + p.b], master.device), alpha=-size)
-    if whole_rule and offloaded:  # the state copied back to the host above is complete before it is read
+    if whole_rule and offloaded:  # the state copied back to the host is complete before it is read
         host_wait()
 
 
@@ -310,7 +311,8 @@ def scalars(device, *xs):
     to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
     fp32 value rounds the same (the kernels multiply in fp32 either way). On a GPU, once per
     stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.11)."""
-    return _scalars(device, torch.cuda.current_stream(device) if device.type == "cuda" else None, *xs)
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    return _scalars(device, stream, *xs)
 
 
 @functools.lru_cache(maxsize=64)
