@@ -230,8 +230,7 @@ class ThreadComm(Comm):
             self.world.meet(self, op, keep, out, kind, ranks)
         return _finish(self, wait, out)
 
-    # Thread ranks meet in any group on first use (launch.ThreadWorld.meet).
-    def make_groups(self, rank_lists):
+    def make_groups(self, rank_lists):  # thread ranks meet in any group on first use (meet)
         pass
 
 
@@ -252,20 +251,21 @@ class ProcessComm(Comm):
         # torch's rule for batch_isend_irecv on NCCL: the first call on the group is one every
         # rank takes part in (DESIGN.md §9).
         if self.device.type == "cuda":
-            self._guard("the first collective", lambda: dist.all_reduce(
-                torch.zeros(1, device=self.device), async_op=True).wait(self.timeout))
+            self._guard("the first collective", lambda: self._wait(dist.all_reduce(
+                torch.zeros(1, device=self.device), async_op=True)))
 
     # The constructor's name for headers (callers may set comm.check = False).
     check = property(lambda self: self.headers, lambda self, on: setattr(self, "headers", on))
 
-    def _header(self, kind, t):
+    def _header(self, kind, t, device=None):
         """The 8 numbers (64 bytes) a message carries ahead of its payload: the sender's record
-        tag (sequence number, kind, phase, unit, grad mode, size), the payload's size and dtype."""
-        tag = self.flight.tag
-        return torch.tensor([*tag, t.numel(), DTYPE_CODE.get(t.dtype, 0)], device=t.device)
+        tag (sequence number, kind, phase, unit, grad mode, size), the payload's size and dtype.
+        Made on the host; to a GPU from pinned memory, not blocking; read on the host (§9.11)."""
+        h = torch.tensor([*self.flight.tag, t.numel(), DTYPE_CODE.get(t.dtype, 0)])
+        return h.pin_memory().to(device, non_blocking=True) if str(device)[:4] == "cuda" else h
 
     def _check(self, kind, t, src, header, latch=True):
-        if not torch.equal(header.cpu(), self._header(kind, t).cpu()):
+        if not torch.equal(header.cpu(), self._header(kind, t)):
             self._broken(f"rank {self.rank} got rank {src}'s header of another collective",
                          latch=latch)
 
@@ -306,7 +306,7 @@ class ProcessComm(Comm):
         what = _halves(kind, send, dst, recv, src)
         if self.headers:
             got = None if recv is None else torch.empty(8, dtype=torch.int64, device=recv.device)
-            mine = None if send is None else self._header(kind, send)
+            mine = None if send is None else self._header(kind, send, self.device)
             self._group(what, mine, dst, got, src).wait()
             if got is not None:
                 self._check(kind, recv, src, got)
@@ -316,7 +316,12 @@ class ProcessComm(Comm):
         ops = ([dist.P2POp(dist.isend, send, dst)] if send is not None else []) + \
               ([dist.P2POp(dist.irecv, recv, src)] if recv is not None else [])
         works = self._guard(what, lambda: dist.batch_isend_irecv(ops)) if ops else []
-        return Pending(lambda: [self._guard(what, lambda w=w: w.wait(self.timeout)) for w in works])
+        return Pending(lambda: [self._guard(what, lambda w=w: self._wait(w)) for w in works])
+
+    def _wait(self, work):
+        """Finish a transfer. NCCL: the stream waits, not the host (a timeout polls in a sleep loop;
+        a stall is the group's timeout and the flight watcher's, §9.11). gloo: the host, timed."""
+        return work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
 
     def run_native(self, op, x, out, kind, ranks=None):
         """torch's own collective (NCCL on GPU) of x into out, over `ranks` (a group made by
@@ -328,26 +333,21 @@ class ProcessComm(Comm):
                              f"comm.make_groups (ops.split does)")
         group = self.groups.get(ranks)
         if self.headers:
-            h = self._header(kind, x)
+            h = self._header(kind, x, self.device)
             hs = torch.empty(len(ranks) * h.numel(), dtype=h.dtype, device=h.device)
-            self._guard("header all-gather", lambda: _NATIVE["all_gather"](
-                hs, h, group=group, async_op=True).wait(self.timeout))
+            self._guard("header all-gather", lambda: self._wait(_NATIVE["all_gather"](
+                hs, h, group=group, async_op=True)))
             # Every rank sees a mismatch: the world stays usable.
-            for src, g in zip(ranks, hs.view(len(ranks), -1)):
+            for src, g in zip(ranks, hs.cpu().view(len(ranks), -1)):
                 self._check(kind, x, src, g, latch=False)
         if op == "all_reduce":
-            # gloo and NCCL sum in place.
-            y = out if out is x else out.copy_(x)
+            y = out if out is x else out.copy_(x)  # (gloo and NCCL sum in place)
             work = self._guard(kind, lambda: dist.all_reduce(y, group=group, async_op=True))
         else:
             x = x.contiguous()
             work = self._guard(kind, lambda: _NATIVE[op](out, x, group=group, async_op=True))
-        # In flight on NCCL, wait() only makes the current stream wait (a timeout would block the
-        # host: the process group's own timeout stands); gloo's wait, and a finished one, are the
-        # host's. The closure keeps x and out alive till then.
-        flying = out.is_cuda and self.flying is not None
-        wait = work.wait if flying else lambda: work.wait(self.timeout)
-        return _finish(self, lambda: self._guard(kind, lambda: (x, out, wait())), out)
+        # The closure keeps x and out alive till the wait (_wait: the stream's on NCCL).
+        return _finish(self, lambda: self._guard(kind, lambda: (x, out, self._wait(work))), out)
 
     def make_groups(self, rank_lists):
         """torch's process groups for native collectives inside Groups. dist.new_group is a

@@ -412,14 +412,15 @@ def train(comm, cfg):
         t0 = time.perf_counter()
         loss_sum = 0.0
         for x, y in resume.step_batches(data["train"], c, step, rank, N):
-            _, loss = model(x.to(device), y.to(device))
+            # (to a GPU: from pinned memory, queued)
+            _, loss = model(*(t.pin_memory().to(device, non_blocking=True) if cuda else t for t in (x, y)))
             engine.backward(loss)
-            loss_sum += loss.item()  # .item() syncs, so the timing below is honest
+            loss_sum += loss.detach().double()  # read once, after the step (a read here stalls the GPU)
         engine.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        train_curve.append((step, loss_sum / c.grad_accum))
+        train_curve.append((step, float(loss_sum) / c.grad_accum))
         resume.record(c, rank, step=step, loss=train_curve[-1][1])
         if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}

@@ -10,6 +10,7 @@ can skip this file.
 """
 import torch
 
+from minizero_lib import nccl_model
 from ops import all_gather
 
 
@@ -21,7 +22,9 @@ def agree(units, finite, visits, comm, t):
     own = finite if comm.world_size > 1 else sums  # (one rank: its own gradient is the sum)
     bad = torch.stack([~own, ~sums]).double()  # on the device
     mine = [float(visits)] + [float(x) for u in units for x in u.used]
-    mine = torch.cat([bad, torch.tensor(mine, dtype=torch.float64, device=finite.device)])
+    # Made on the host and queued to the device, not blocking (a GPU: from pinned memory, §9.11).
+    mine = torch.tensor(mine, dtype=torch.float64, pin_memory=nccl_model.on_gpu(finite))
+    mine = torch.cat([bad, mine.to(finite.device, non_blocking=True)])
     # per rank: (own gradient bad, sum bad, visits, each parameter's used flag...)
     flags = all_gather(mine, comm, kind="flags").view(comm.world_size, -1).tolist()
     if any(f[2] != flags[0][2] for f in flags):

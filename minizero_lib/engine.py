@@ -21,7 +21,7 @@ from minizero_lib.agree import agree
 from minizero_lib.checkpoint import write_master
 from minizero_lib.flight import Tracer
 from minizero_lib.formulas import engine_formula, engine_held, offloaded_held
-from minizero_lib.offload import check_offload, disk_update, placement
+from minizero_lib.offload import check_offload, disk_update, pin_region, placement
 from minizero_lib.optimizers import Hyper, choose_rules, optimizer_options
 from minizero_lib.overlap import CommQueue
 from minizero_lib.scaler import LossScaler
@@ -93,6 +93,7 @@ class Engine:
             self.units.append(Unit(i, m, g, comm, self.shards, dtype, self.sharded, decay,
                                    [rule(n, p) for n, p in g], options, place,
                                    self.reduce_dtype if reduce_every == "step" else dtype))
+        self.pinned = pin_region(self.units, place)  # the host state's one pinned region, or None
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank
         # this rank's own gradients all finite? (the step's flags say which rank went bad)

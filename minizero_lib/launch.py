@@ -14,6 +14,7 @@ the peers that gave up on it (DESIGN.md §9).
 """
 import contextlib
 import ctypes
+import io
 import os
 import pickle
 import queue
@@ -54,6 +55,7 @@ class ThreadWorld:
         self.device = device          # where every rank computes (the CPU, or one shared GPU)
         self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}  # src -> dst
         self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
+        self.read_events = {}  # ranks -> per rank, the CUDA event after its read of every slot
         self.lock = threading.Lock()  # (ranks create meetings on first use)
         self.failed = threading.Event()  # set once any rank failed: the others give up instead of waiting
         self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
@@ -132,17 +134,26 @@ class ThreadWorld:
             if made is not None:
                 torch.cuda.current_stream(y.device).wait_event(made)
         ys = torch.stack([s[1] for s in slots])
-        # In place: every rank has read x before anyone overwrites it.
-        if out is x:
-            self._barrier(rank, barrier)
+        # CUDA: the stack above is only queued on my stream; an event says when it has run.
+        reads = self.reads(ranks)
+        reads[i] = nccl_model._made(ys)
+        # Every rank has queued its read of every x: now each stream waits for all of them
+        # before it writes anything (out, in place x, or x after the return), on the GPU,
+        # not the host.
+        self._barrier(rank, barrier)
+        for read in reads:
+            if read is not None:
+                torch.cuda.current_stream(ys.device).wait_event(read)
         out.copy_(ys.view(-1) if op == "all_gather" else
                   ys.sum(0).view(len(ranks), -1)[i] if op == "reduce_scatter" else ys.sum(0))
-        # The reads above are done before their owners may overwrite them.
-        if out.is_cuda:
-            torch.cuda.current_stream(out.device).synchronize()
-        # Nobody may reuse its slot until everyone has read it.
+        # Nobody may reuse its slot (nor its read event) until everyone has read it.
         self._barrier(rank, barrier)
         return out
+
+    def reads(self, ranks):
+        """The ranks' read events of their meeting (a slot per rank), made on first use."""
+        with self.lock:
+            return self.read_events.setdefault(ranks, [None] * len(ranks))
 
     def _barrier(self, rank, barrier):
         try:
@@ -313,13 +324,29 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, parent,
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), device_id=device)
         out = fn(ops.ProcessComm(timeout, check, store=store), *args)
-        results.put(("ok", rank, pickle.dumps(out)))
+        results.put(("ok", rank, _dumps(out)))
     except BaseException as e:  # (a diagnosis ends with the rank it blames, for _blame)
         blame = f"\n{e.culprit}" if hasattr(e, "culprit") else ""
         results.put(("error", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}{blame}"))
     results.close()
     results.join_thread()  # the result is handed over: now leave without gloo's exit-time abort
     os._exit(0)
+
+
+class _HostPickler(pickle.Pickler):
+    """Pickles a rank's result with every tensor on the host: a CUDA tensor would come back
+    on that rank's GPU in the launcher (a CUDA context there per rank, and GPU memory held)."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps(out):
+    buf = io.BytesIO()
+    _HostPickler(buf).dump(out)
+    return buf.getvalue()
 
 
 def _terminated(signum, frame):
@@ -329,12 +356,14 @@ def _terminated(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=True):
+def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=None):
     """Spawn world_size local ranks running fn(comm, *args) (fn must be importable);
     return [result of rank 0, 1, ...]. If a rank raises or dies, every rank is killed and
     this raises, naming that rank. No rank outlives this call: SIGTERM, ^C (KeyboardInterrupt)
-    or any exception kill them all, and they kill themselves if this process dies."""
+    or any exception kill them all, and they kill themselves if this process dies. check
+    (headers, each read on the host per hop): on for gloo, off for nccl, as init_from_env."""
     _check_world_size(world_size)
+    check = backend != "nccl" if check is None else check
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
                          f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")

@@ -29,11 +29,16 @@ import ops
 
 def _made(t):
     """CUDA: an event on this thread's current stream, which is making t. CPU: None (done)."""
-    if not t.is_cuda:
+    if not on_gpu(t):
         return None
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(t.device))
     return event
+
+
+def on_gpu(t):
+    """Whether t is on a GPU, asked in one place (the CPU tests fake the GPU's streams here)."""
+    return t.is_cuda
 
 
 def _expect(rank, kind, t, src, got):

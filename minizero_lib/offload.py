@@ -54,10 +54,10 @@ class Place(NamedTuple):
     disk: object = None     # with state "disk": the DiskState that holds them
 
     def host(self, t, where):
-        if where != "cpu":
-            return t
-        t = t.to("cpu", copy=True)  # (a copy on a CPU run too: the host path runs, as on a GPU)
-        return t.pin_memory() if self.pin else t
+        """t where it lives: on the device, or a copy in host memory ("cpu"; "disk": until its
+        file has it). A copy on a CPU run too: the host path runs, as on a GPU. Pinned later,
+        all of a rank's at once (pin_region)."""
+        return t if where == "device" else t.to("cpu", copy=True)
 
     def optimizer_state(self, index, mine, dtype, sizes):
         """Unit `index`'s fp32 master of `mine` (this rank's range of its params) and its zero
@@ -71,6 +71,39 @@ class Place(NamedTuple):
             return master, state
         self.disk.add(index, {"master": master, **state})
         return None, None
+
+
+def pin_region(units, place):
+    """Pin a rank's host state, every unit's (master and optimizer state offloaded to "cpu",
+    stage 3's shard with offload_params), as one region of exactly its bytes, offloaded()'s
+    formula: pinning each tensor through torch's pinned cache rounds every block up to a power
+    of two (up to twice the formula). The region is registered with CUDA (cudaHostRegister),
+    so copies to and from it are queued, not blocking; the tensors become views of it.
+    Returns the region (whoever holds it keeps it pinned), or None when nothing is pinned."""
+    moved = [t for u in units
+             for t in ([u.master, *u.state.values()] if place.state == "cpu" else [])
+             + ([u.shard] if place.params == "cpu" else [])]
+    # fp32 first, then the 16-bit shards: every view starts at a multiple of its element size
+    host = list({id(t): t for t in sorted(moved, key=lambda t: -t.element_size())}.values())
+    total = sum(t.numel() * t.element_size() for t in host)
+    if not place.pin or not total:
+        return None
+    region = torch.empty(total, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    if cudart.cudaHostRegister(region.data_ptr(), total, 0) != cudart.cudaError.success:
+        raise RuntimeError(f"could not pin {total:,} bytes of host memory for the offloaded state; "
+                           f"use pin_memory=False")
+    weakref.finalize(region, cudart.cudaHostUnregister, region.data_ptr())
+    views, at = {}, 0
+    for t in host:
+        n = t.numel() * t.element_size()
+        views[id(t)] = region[at:at + n].view(t.dtype).view(t.shape).copy_(t)
+        at += n
+    for u in units:
+        u.master = views.get(id(u.master), u.master)
+        u.state = u.state and {k: views.get(id(s), s) for k, s in u.state.items()}
+        u.shard = views.get(id(u.shard), u.shard)
+    return region
 
 
 def placement(device, offload, offload_dir, offload_params, pin_memory, tag):

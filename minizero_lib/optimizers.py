@@ -24,6 +24,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn as nn
 
+from minizero_lib import nccl_model
+
 OPTIMIZERS = {  # name -> its options besides lr and weight_decay: torch.optim's names and defaults
     "adamw": dict(betas=(0.9, 0.999), eps=1e-8),
     "sgd": dict(momentum=0.0, nesterov=False),
@@ -195,8 +197,10 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
     own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
     `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)
-    grad = grad.to(master.device)  # offloaded: the update runs on the host; the gradient comes over once,
-    coef = None if hp.coef is None else hp.coef.to(master.device)  # the clip coefficient too (a GPU's: a sync)
+    # offloaded: the update runs on the host; the gradient (on a GPU) comes over once,
+    offloaded = nccl_model.on_gpu(grad) and not nccl_model.on_gpu(master)
+    grad = moved(grad, master.device)
+    coef = None if hp.coef is None else moved(hp.coef, master.device)  # the clip coefficient too
     scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
@@ -222,29 +226,57 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
         for p, t, wd in mine:
             c, d = p.at.get("momentum_buffer", (0, 0))
             buf = state["momentum_buffer"][c:d] if d else None
-            here = None if buf is None else buf.to(dev)
-            x[p.a:p.b] = muon_momentum(here, g[p.a:p.b].to(dev), o["momentum"], o["nesterov"])
-            if here is not buf:  # offloaded: the buffer back to the host
-                buf.copy_(here)
+            here = None if buf is None else buf.to(dev, non_blocking=True)
+            g_here = g[p.a:p.b].to(dev, non_blocking=True)
+            x[p.a:p.b] = muon_momentum(here, g_here, o["momentum"], o["nesterov"])
+            if here is not buf:  # offloaded: the buffer back to the host (read after host_wait)
+                buf.copy_(here, non_blocking=True)
         full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
         for p, t, wd in mine:
             n, w = math.prod(p.shape), p.lo - p.o  # w: where my range starts inside the parameter
             ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"], o["ns_steps"])
             master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
-            master[p.a:p.b].add_(ortho.reshape(-1)[w + p.a:w + p.b].to(master.device),
+            master[p.a:p.b].add_(moved(ortho.reshape(-1)[w + p.a:w + p.b], master.device),
                                  alpha=-muon_lr(o["muon_lr"], o["adjust_lr_fn"], p.shape))
     elif whole_rule == "adafactor":  # the whole gradient and params (before this step), fp32
         gs, ps = gather(g), gather(master)  # stages 1-3: each rank sends (N-1)/N·Ψ_u twice, fp32
         for p, t, wd in steps:  # (offloaded: on the device, as stage 0, and the state back to the host)
             n, w = math.prod(p.shape), p.lo - p.o
-            s = {k: state[k][c:d].to(gs.device) for k, (c, d) in p.at.items()}
+            s = {k: state[k][c:d].to(gs.device, non_blocking=True) for k, (c, d) in p.at.items()}
             step, size = adafactor(ps[p.o:p.o + n].view(p.shape), gs[p.o:p.o + n].view(p.shape), s, t, hp.lr,
                                    o["beta2_decay"], *o["eps"], o["d"])
             for k, (c, d) in p.at.items() if gs.device != master.device else ():
-                state[k][c:d].copy_(s[k])
-            if wd:
+                state[k][c:d].copy_(s[k], non_blocking=True)  # (read after the event below)
+            if wd:  # (master's copy to the device is done: adafactor() read its norm on the host)
                 master[p.a:p.b].mul_(1 - hp.lr * wd)
-            master[p.a:p.b].add_(step.reshape(-1)[w + p.a:w + p.b].to(master.device), alpha=-size)
+            master[p.a:p.b].add_(moved(step.reshape(-1)[w + p.a:w + p.b], master.device), alpha=-size)
+    if whole_rule and offloaded:  # the state copied back to the host is complete before it is read
+        host_wait()
+
+
+def moved(t, device):
+    """t on device, for the offloaded update (DESIGN.md §9.11). From a GPU to the host: into
+    pinned memory, not blocking, and the host waits on an event for that copy before it reads
+    it (a blocking copy would drain the stream unannounced); other moves are not blocking
+    (from pinned memory the copy is queued; from pageable memory CUDA stages it at once)."""
+    if device.type != "cpu" or not nccl_model.on_gpu(t):
+        return t.to(device, non_blocking=True)
+    out = pinned_like(t)
+    out.copy_(t, non_blocking=True)
+    host_wait()
+    return out
+
+
+def pinned_like(t):
+    """A staging buffer in pinned host memory (torch's pinned cache: reused step to step)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
+def host_wait():
+    """The host waits for the work queued on this thread's stream so far (an event's)."""
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
 
 
 def mean_grad(grad, unscale, coef, out=None):
@@ -274,12 +306,21 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
     return p, m, v
 
 
-@functools.lru_cache(maxsize=64)
 def scalars(device, *xs):
     """xs as 0-d fp32 tensors on device, made once. An op with a Python number converts it
     to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
-    fp32 value rounds the same (the kernels multiply in fp32 either way)."""
+    fp32 value rounds the same (the kernels multiply in fp32 either way). On a GPU, once per
+    stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.11)."""
+    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    return _scalars(device, stream, *xs)
+
+
+@functools.lru_cache(maxsize=64)
+def _scalars(device, stream, *xs):
     return tuple(torch.full((), x, dtype=torch.float32, device=device) for x in xs)
+
+
+scalars.cache_clear = _scalars.cache_clear
 
 
 def sgd(p, g, buf, t, lr, momentum, nesterov, weight_decay):

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from ops import all_gather, all_reduce, reduce_scatter, split
-from minizero_lib.optimizers import update
+from minizero_lib import nccl_model
+from minizero_lib.optimizers import host_wait, update
 
 
 # -----------------------------------------------------------------------------
@@ -152,15 +153,19 @@ def share_params(master, group, flat, shard):
     sends (N-1)/N·Ψ_u). Stage 3 keeps only the 16-bit shard, which the next forward
     gathers: nothing is sent here."""
     if shard is None:
-        all_gather(master.to(flat.device, flat.dtype), group, out=flat)
+        all_gather(master.to(flat.device, flat.dtype, non_blocking=True), group, out=flat)
     elif shard is not master:
-        shard.copy_(master)
+        # (offload_params alone: from the GPU to the pinned shard, queued; read after an event)
+        shard.copy_(master, non_blocking=True)
+        if nccl_model.on_gpu(master) and not nccl_model.on_gpu(shard):
+            host_wait()
 
 
 def gather_params(shard, flat, group):
     """Stage 3, before a unit's forward and again before its backward: all-gather the
     16-bit shards into the unit's flat buffer (each rank sends (N-1)/N·Ψ_u)."""
-    return all_gather(shard.to(flat.device), group, out=flat)  # (a shard offloaded: copied in)
+    # (a shard offloaded: copied in from pinned memory, queued, not blocking: DESIGN.md §9.11)
+    return all_gather(shard.to(flat.device, non_blocking=True), group, out=flat)
 
 
 def release_params(flat):
@@ -194,7 +199,7 @@ def gather_whole(group, device):
     """What Muon and Adafactor read of whole tensors, all-gathered over the unit (each rank
     sends (N-1)/N·Ψ_u of it, kind "optimizer"), on the device: offloaded or not, the
     whole-tensor part runs where stage 0 runs it."""
-    return lambda x: all_gather(x.to(device), group, kind="optimizer")
+    return lambda x: all_gather(x.to(device, non_blocking=True), group, kind="optimizer")
 
 
 def all_reduce_replicas(reduced, replicas):

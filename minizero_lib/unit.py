@@ -152,7 +152,7 @@ class Unit:
         if self.held is not None:
             raise RuntimeError("engine.gathered() is already open for these parameters; do not "
                                "nest it")
-        self.held = all_gather(self.shard.to(device), group, kind="gathered")
+        self.held = all_gather(self.shard.to(device, non_blocking=True), group, kind="gathered")
         self.point(self.held)
         self.mark(released=False)
 
