@@ -125,8 +125,10 @@ def plan(a):
     steps = sorted(rng.sample(range(1, last), a.kills)) if a.kills else []
     kinds = ["save" if i % 2 == 0 else "step" for i in range(a.kills)]
     rng.shuffle(kinds)
-    return [dict(after=s, kind=k, who=rng.choice([*range(a.world_size), "every"]), delay=rng.uniform(0, 0.05))
-            for s, k in zip(steps, kinds)]
+    whos = [rng.choice([*range(a.world_size), "every"]) for _ in range(a.kills)]
+    if a.kills >= 3 and "every" not in whos:  # the whole worker group at least once
+        whos[rng.randrange(a.kills)] = "every"
+    return [dict(after=s, kind=k, who=w, delay=rng.uniform(0, 0.05)) for s, k, w in zip(steps, kinds, whos)]
 
 
 def kill(proc, k, out_dir, attempt):
