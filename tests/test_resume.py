@@ -155,8 +155,8 @@ def test_bad_out_dir_and_save_interval_are_one_line(tmp_path, capsys, files):  #
             (["--resume", "--optimizer", "sgd"], "(optimizer=adamw there, optimizer=sgd here)"),
             ([], f"--out-dir {d} already holds a checkpoint at step 2; add --resume to train on"),
             (["--resume", "--world-size", "3"],
-             "trained at a global batch of 2 sequences, not a multiple of --batch-size 2 x 3 ranks; "
-             "give a number of ranks")]:
+             "trained at a global batch of 2 sequences, not a multiple of --batch-size 2 x 3 "
+             "ranks; give a number of ranks")]:
         assert says in one_line_error(capsys, tg.main, [*argv, *extra], "train_gpt.py")
     assert files_of() == before  # (another run's checkpoint: never overwritten)
 
