@@ -107,10 +107,13 @@ def signal_all(pids, sig):
 
 
 def saves_in_flight(out_dir, since):
-    """The step-N folders with files written after `since` and no manifest yet."""
-    found = []
+    """The step-N folders newer than the newest complete checkpoint (older ones may be in the
+    middle of being pruned) with files written after `since` and no manifest yet."""
+    found, newest = [], checkpoint.checkpoints(out_dir)
     for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
+        if newest and path <= newest[0]:
+            continue
         try:
             files = os.listdir(path) if name.startswith("step-") else ["manifest.json"]
             if "manifest.json" not in files and any(os.stat(os.path.join(path, f)).st_mtime >= since
