@@ -330,13 +330,11 @@ class Engine:
         remove disk offload's files. The model's hooks refuse from now on."""
         if not self.closed:
             self.queue.drain()
-            try:
-                writer.wait(self)  # (raises if that save failed: closed all the same)
-            finally:
-                self.closed = True
-                self.queue.close()
-                if self.disk is not None:
-                    self.disk.close()
+            writer.wait(self)  # (if that save failed it raises here; close() again then closes)
+            self.closed = True
+            self.queue.close()
+            if self.disk is not None:
+                self.disk.close()
 
 
 # the hooks autograd and the model call: each holds the engine weakly and finds it there

@@ -78,8 +78,9 @@ def resume_from(cfg, world_size):
             fix = f"a --batch-size that divides {saved // world_size}" if saved % world_size == 0 \
                 else "a number of ranks that divides it"
             raise ValueError(f"--resume: the checkpoint {found[0]} trained at a global batch of "
-                             f"{saved} sequences, not a multiple of --batch-size {cfg['batch_size']}"
-                             f" x {world_size} ranks; give {fix}, or --global-batch")
+                             f"{saved} sequences, not a multiple of --batch-size "
+                             f"{cfg['batch_size']} x {world_size} ranks; give {fix}, or "
+                             "--global-batch")
         cfg["global_batch"], cfg["grad_accum"] = saved, 1  # (grad_accum: derived from it)
     return found[0] if found else None
 

@@ -43,7 +43,7 @@ def save(engine, path, meta=None, background=False):
     os.makedirs(path, exist_ok=True)
     # the tag from the OS, not from torch's RNG: a save must not change what dropout draws next
     mine = torch.tensor([int.from_bytes(os.urandom(4), "little") >> 1], device=engine.device)
-    # new files never overwrite a complete checkpoint's
+    # rank 0's nonce, one int64 to every rank: new files never overwrite a complete checkpoint's
     tag = f"{engine.t:08d}-{int(broadcast(mine, comm, kind='checkpoint')):08x}"
     k = piece(engine, comm.rank)  # which 1/N of the layout this rank saves
     m = manifest(engine, tag, meta) if comm.rank == 0 else None  # (rank 0 writes it)
@@ -139,6 +139,7 @@ def agree(engine, w):
     raises: the rank that could not write with its error, the others naming it."""
     comm = engine.comm
     when = " (a background save, found at the next save or close)" if w.thread else ""
+    # all_gather: 33 int64 per rank (written or not, the shard's 32-byte sha256)
     report = torch.tensor([0 if w.error else 1, *w.digest], dtype=torch.int64, device=engine.device)
     reports = all_gather(report, comm, kind="checkpoint").view(comm.world_size, -1).cpu()
     failed = [k for k in range(comm.world_size) if reports[k, 0] != 1]
@@ -155,7 +156,7 @@ def agree(engine, w):
     elif comm.rank == 0:
         w.thread.join()
     done = torch.tensor([0. if w.commit_error else 1.], device=engine.device)
-    if all_gather(done, comm, kind="checkpoint")[0] != 1:
+    if all_gather(done, comm, kind="checkpoint")[0] != 1:  # one float per rank: rank 0's says
         w.remove()
         raise RuntimeError(f"checkpoint not saved: could not write its manifest "
                            f"{os.path.join(w.path, 'manifest.json')} "

@@ -31,8 +31,8 @@ import torch  # noqa: E402
 
 from minizero_lib import checkpoint, resume  # noqa: E402
 
-TINY = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8", "--batch-size", "2",
-        "--eval-iters", "1", "--sample-tokens", "1"]
+TINY = ["--n-layer", "1", "--n-head", "1", "--n-embd", "8", "--block-size", "8",
+        "--batch-size", "2", "--eval-iters", "1", "--sample-tokens", "1"]
 
 
 def demo_args(a, out_dir, data, background=True):
@@ -49,10 +49,11 @@ def demo_args(a, out_dir, data, background=True):
 
 def torchrun(world_size, args, restarts, out):
     """Start train_gpt.py under torchrun (in a session of its own, so that it ends whole)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-           f"--max-restarts={restarts}", "train_gpt.py", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world_size}", f"--max-restarts={restarts}", "train_gpt.py", *args]
     env = dict(os.environ, PYTHONPATH=HERE, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, cwd=HERE, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(cmd, cwd=HERE, stdout=out, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
 
 
 def finish(proc, out, timeout=900):
@@ -79,7 +80,8 @@ def workers(pid):
     while todo:
         p = todo.pop()
         try:
-            kids = "".join(open(f"/proc/{p}/task/{t}/children").read() for t in os.listdir(f"/proc/{p}/task"))
+            tasks = os.listdir(f"/proc/{p}/task")
+            kids = "".join(open(f"/proc/{p}/task/{t}/children").read() for t in tasks)
         except (FileNotFoundError, ProcessLookupError):
             continue
         for k in map(int, kids.split()):
@@ -90,7 +92,8 @@ def workers(pid):
             except (FileNotFoundError, ProcessLookupError):
                 continue
             rank = [e[5:] for e in env.split(b"\0") if e.startswith(b"RANK=")]
-            if b"train_gpt.py" in cmd and b"torch.distributed.run" not in cmd and rank and state != "Z":
+            worker = b"train_gpt.py" in cmd and b"torch.distributed.run" not in cmd
+            if worker and rank and state != "Z":
                 found[int(rank[0])] = k
     return found
 
@@ -104,10 +107,13 @@ def signal_all(pids, sig):
 
 
 def saves_in_flight(out_dir, since):
-    """The step-N folders with files written after `since` and no manifest yet."""
-    found = []
+    """The step-N folders newer than the newest complete checkpoint (older ones may be in the
+    middle of being pruned) with files written after `since` and no manifest yet."""
+    found, newest = [], checkpoint.checkpoints(out_dir)
     for name in os.listdir(out_dir) if os.path.isdir(out_dir) else []:
         path = os.path.join(out_dir, name)
+        if newest and path <= newest[0]:
+            continue
         try:
             files = os.listdir(path) if name.startswith("step-") else ["manifest.json"]
             if "manifest.json" not in files and any(os.stat(os.path.join(path, f)).st_mtime >= since
@@ -125,8 +131,11 @@ def plan(a):
     steps = sorted(rng.sample(range(1, last), a.kills)) if a.kills else []
     kinds = ["save" if i % 2 == 0 else "step" for i in range(a.kills)]
     rng.shuffle(kinds)
-    return [dict(after=s, kind=k, who=rng.choice([*range(a.world_size), "every"]), delay=rng.uniform(0, 0.05))
-            for s, k in zip(steps, kinds)]
+    whos = [rng.choice([*range(a.world_size), "every"]) for _ in range(a.kills)]
+    if a.kills >= 3 and "every" not in whos:  # the whole worker group at least once
+        whos[rng.randrange(a.kills)] = "every"
+    return [dict(after=s, kind=k, who=w, delay=rng.uniform(0, 0.05))
+            for s, k, w in zip(steps, kinds, whos)]
 
 
 def kill(proc, k, out_dir, attempt):
@@ -152,7 +161,7 @@ def kill(proc, k, out_dir, attempt):
             if not flight:
                 time.sleep(0.001)
                 continue
-            signal_all(pids.values(), signal.SIGSTOP)  # the world holds still: is the save still on?
+            signal_all(pids.values(), signal.SIGSTOP)  # the world holds still: save still on?
             flight = saves_in_flight(out_dir, attempt["since"])
             if not flight:
                 signal_all(pids.values(), signal.SIGCONT)
@@ -185,16 +194,21 @@ def retrained(log, boundary):
 
 
 def compare(ref_dir, out_dir, steps):
-    """(final state bitwise equal, every loss equal, final step reached) of a run vs its reference."""
-    ref, got = resume.read_log(ref_dir), resume.read_log(out_dir)
-    want = {(("loss" in r), r["step"]): r.get("loss", r.get("val")) for r in ref if "loss" in r or "val" in r}
-    runs = [(("loss" in r), r["step"], r.get("loss", r.get("val"))) for r in got if "loss" in r or "val" in r]
-    losses = all(want.get((t, s)) == v for t, s, v in runs) and {(t, s) for t, s, _ in runs} == set(want)
+    """(final state bitwise equal, every loss equal, the last step reached, steps trained) of
+    the run in out_dir against the one in ref_dir: losses of training (True) and of evals."""
+    def losses(d):
+        return [("loss" in r, r["step"], r.get("loss", r.get("val")))
+                for r in resume.read_log(d) if "loss" in r or "val" in r]
+    want, runs = {(t, s): v for t, s, v in losses(ref_dir)}, losses(out_dir)
+    same = all(want.get((t, s)) == v for t, s, v in runs)
+    same = same and {(t, s) for t, s, _ in runs} == set(want)  # every step and eval, too
     newest = checkpoint.checkpoints(out_dir)
     at_end = bool(newest) and newest[0] == checkpoint.step_dir(out_dir, steps)
-    a, b = checkpoint.consolidate(checkpoint.checkpoints(ref_dir)[0]), checkpoint.consolidate(newest[0])
-    state = a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]) for n in a)
-    return state, losses, at_end, len([r for r in runs if r[0]])
+    a = checkpoint.consolidate(checkpoint.checkpoints(ref_dir)[0])
+    b = checkpoint.consolidate(newest[0])
+    state = a.keys() == b.keys() and all(a[n].dtype == b[n].dtype and torch.equal(a[n], b[n])
+                                         for n in a)
+    return state, same, at_end, len([r for r in runs if r[0]])
 
 
 def stalls(out_dir):
@@ -230,7 +244,8 @@ def chaos(a, data, ref=None):
                 if killed is None:
                     break
                 since = wait_restart(proc, killed, a.world_size)
-                attempt = dict(records=len(resume.read_log(d)), since=since, world_size=a.world_size)
+                attempt = dict(records=len(resume.read_log(d)), since=since,
+                               world_size=a.world_size)
                 kills.append(dict(killed, boundary=attempt["records"]))
             rc = finish(proc, out)
         finally:
@@ -244,9 +259,10 @@ def chaos(a, data, ref=None):
             f"{k['delay']:.3f} s after step {k['after']}"
         print(f"kill {i + 1}/{a.kills}: SIGKILL {who} {when}; the restart resumed at step {at}: "
               f"{n} steps retrained")
-    state, losses, at_end, trained = compare(ref, d, a.steps) if rc == 0 else (False, False, False, 0)
+    state, losses, at_end, trained = compare(ref, d, a.steps) if rc == 0 else (0, 0, 0, 0)
     survived = len(kills) if rc == 0 and at_end else 0
-    print(f"kills survived {survived}/{a.kills}, final state bitwise equal: {'yes' if state else 'no'}")
+    print(f"kills survived {survived}/{a.kills}, "
+          f"final state bitwise equal: {'yes' if state else 'no'}")
     print(f"losses equal at every step trained and every eval: {'yes' if losses else 'no'} "
           f"({a.steps} steps, {trained} trained with the retrained)")
     if kills:
@@ -268,7 +284,8 @@ def elastic(a, data):
     with open(os.path.join(a.tmp, "elastic.out"), "w") as out:
         proc = torchrun(a.world_size, demo_args(a, d, data), 0, out)
         try:
-            while proc.poll() is None and checkpoint.step_dir(d, half) not in checkpoint.checkpoints(d):
+            while proc.poll() is None and \
+                    checkpoint.step_dir(d, half) not in checkpoint.checkpoints(d):
                 time.sleep(0.005)
             signal_all(workers(proc.pid).values(), signal.SIGKILL)
             finish(proc, out)
@@ -280,8 +297,8 @@ def elastic(a, data):
         sys.exit(f"the restart at {a.elastic} ranks failed (exit {rc}); its output: {out.name}")
     log, want = resume.read_log(d), resume.read_log(ref)
     n, at = retrained(log, boundary)
-    print(f"killed all {a.world_size} ranks after step {at + n - 1}; restarted at {a.elastic} ranks "
-          f"from {start} (step {at}, {n} steps retrained), at the same global batch")
+    print(f"killed all {a.world_size} ranks after step {at + n - 1}; restarted at {a.elastic} "
+          f"ranks from {start} (step {at}, {n} steps retrained), at the same global batch")
     print(f"val loss after the restart: {a.world_size} ranks never killed | {a.world_size} ranks, "
           f"then {a.elastic} | difference")
     vals = {r["step"]: r["val"] for r in want if "val" in r}
@@ -300,22 +317,25 @@ def elastic(a, data):
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=5)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--stage", type=int, default=0, choices=range(4))
     p.add_argument("--offload", choices=["cpu", "disk"])
-    p.add_argument("--model", choices=["tiny", "demo"], default="tiny", help="demo: train_gpt.py's default GPT")
+    p.add_argument("--model", choices=["tiny", "demo"], default="tiny",
+                   help="demo: train_gpt.py's default GPT")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--save-interval", type=int, default=5)
     p.add_argument("--eval-interval", type=int, default=10)
-    p.add_argument("--dropout", type=float, default=0.1, help="so that the ranks' RNG state matters")
+    p.add_argument("--dropout", type=float, default=0.1, help="so that the ranks' RNG matters")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--elastic", type=int, help="kill every rank once at half way, restart at this many")
+    p.add_argument("--elastic", type=int, help="kill every rank at half way, restart at this many")
     p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
     a = p.parse_args(argv)
     if a.kills < 0 or a.kills > a.steps - a.save_interval - 1:
-        p.error(f"--kills must be from 0 to --steps - --save-interval - 1 = {a.steps - a.save_interval - 1}")
+        p.error(f"--kills must be from 0 to --steps - --save-interval - 1 "
+                f"= {a.steps - a.save_interval - 1}")
     return a
 
 
