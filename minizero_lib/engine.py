@@ -19,6 +19,7 @@ from ops import broadcast, split
 from minizero_lib import checkpoint
 from minizero_lib.agree import agree
 from minizero_lib.checkpoint import write_master
+from minizero_lib.compiled import outside_graphs
 from minizero_lib.flight import Tracer
 from minizero_lib.formulas import engine_formula, held_bytes, offloaded_held
 from minizero_lib.offload import check_offload, disk_update, placement
@@ -364,5 +365,6 @@ def _engine(ref):
 
 
 def _hook(ref, method, *bound):
-    """A hook that calls engine.method(*bound, *the hook's arguments)."""
-    return lambda *args: getattr(_engine(ref), method)(*bound, *args)
+    """A hook that calls engine.method(*bound, *the hook's arguments), outside any graph
+    torch.compile makes of the module it hooks (compiled.py, DESIGN.md §13)."""
+    return outside_graphs(lambda *args: getattr(_engine(ref), method)(*bound, *args))
