@@ -24,9 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minizero_lib import checkpoint
+from minizero_lib import checkpoint, compiled, launch
 import minizero
-from minizero_lib import launch
 import ops
 from minizero_lib.ds_config import grad_accum_for, parse_ds_config, read_json
 
@@ -195,7 +194,7 @@ DEFAULTS = dict(
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
-    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None,
+    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, compile=False,
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -234,6 +233,7 @@ def parse_args(argv=None):
     opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
     opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
+    opt("--compile", None, "torch.compile each block", action="store_true", default=None)
     opt("--trace", str, "write each rank's Chrome trace of the first steps here (ui.perfetto.dev); 4 steps "
         "unless --steps is given")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
@@ -360,8 +360,6 @@ def train(comm, cfg):
     cuda = device.type == "cuda"
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
     log = print if rank == 0 else (lambda *a, **k: None)
-    if c.native is not None:
-        comm.native = c.native
 
     data = load_data(c.data)
     gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias)
@@ -371,7 +369,9 @@ def train(comm, cfg):
                              decay=lambda name, p: p.dim() >= 2, dtype=dtype, grad_accum=c.grad_accum,
                              clip=c.clip or None, offload=c.offload, offload_dir=c.offload_dir,
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
-                             **optimizer_options(c))
+                             native=c.native, **optimizer_options(c))
+    if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §13)
+        compiled.compile_units(model, [u.module for u in engine.units])
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "

@@ -111,11 +111,12 @@ def torch_counts():
 
 
 @pytest.mark.parametrize("stage, how, kw", [
-    (0, "after", {}), (1, "after", {}), (2, "after", dict(offload="cpu")),
+    (0, "after", {}), (1, "after", {}), (2, "after", dict(offload="disk")),
     (3, "after", {}), (3, "before", dict(trace=True)), (3, "after", dict(checkpointed=True))])
 def test_compiled_blocks_are_the_graphs_torch_makes(stage, how, kw, torch_counts, tmp_path):
-    if kw.get("trace"):
-        kw["trace"] = str(tmp_path)  # the flight's Tracer hooks every unit too
+    for key in ("trace", "offload"):  # (the flight's Tracer hooks every unit too)
+        if key in kw:
+            kw["trace" if key == "trace" else "offload_dir"] = str(tmp_path)
     _, _, first, end = counted(stage, how=how, **kw)
     expect = torch_counts[kw.get("checkpointed", False)]
     assert expect["breaks"] == 0 and expect["graphs"] >= 2  # (train and eval)
