@@ -249,9 +249,8 @@ def check_main(argv):
                                                    "divide every world size)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
-    ap.add_argument("--compile", nargs="?", const=True, default=False, metavar="BACKEND",
-                    help="compile each unit's module after Engine(...) (torch.compile; "
-                         "BACKEND: inductor unless given)")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each unit's module after Engine(...), as torchtitan")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
     a = ap.parse_args(argv)
