@@ -19,7 +19,10 @@ def outside_graphs(fn):
     collective (graph breaks), and guard on the engine's state (the gather order, the unit,
     the step), so the graphs would recompile as that state changes; skipped, dynamo sees
     only the block's own ops, and graphs guard on what they would guard on without the
-    engine. recursive=True: nothing fn calls is traced either."""
+    engine. recursive=True: nothing fn calls is traced either. Only module hooks need it:
+    autograd's hooks (a parameter's post-accumulate-grad hook, an output's gradient hook)
+    run in autograd's engine, outside any graph, and there the wrap would only cost its
+    microsecond or two, once per parameter per backward."""
     return torch._dynamo.disable(fn, recursive=True)
 
 

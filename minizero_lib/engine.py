@@ -341,18 +341,21 @@ class Engine:
 
 def _register_hooks(engine):
     """The engine's hooks on the model. They hold the engine weakly: drop the engine and it
-    (and its thread) goes, instead of living on in a cycle through the parameters."""
+    (and its thread) goes, instead of living on in a cycle through the parameters. The
+    module hooks run outside any graph torch.compile makes of the module (DESIGN.md §13);
+    autograd's run in its engine, which no graph traces."""
     ref, model = weakref.ref(engine), engine.model
     for u in engine.units:
         for i, p in enumerate(u.params):
             p.register_post_accumulate_grad_hook(_hook(ref, "_on_grad", u, i))
         if engine.sharded["params"]:  # (each unit starts released: Unit)
-            u.module.register_forward_pre_hook(_hook(ref, "_gather", u))
-            u.module.register_forward_hook(_hook(ref, "_after_forward", u))
-    model.register_forward_pre_hook(_hook(ref, "_before_forward"), with_kwargs=True)
+            u.module.register_forward_pre_hook(outside_graphs(_hook(ref, "_gather", u)))
+            u.module.register_forward_hook(outside_graphs(_hook(ref, "_after_forward", u)))
+    model.register_forward_pre_hook(outside_graphs(_hook(ref, "_before_forward")),
+                                    with_kwargs=True)
     model.register_load_state_dict_pre_hook(_hook(ref, "_loading"))
     if engine.sharded["params"]:
-        model.register_forward_hook(_hook(ref, "_eval_done"))
+        model.register_forward_hook(outside_graphs(_hook(ref, "_eval_done")))
 
 
 def _engine(ref):
@@ -365,6 +368,5 @@ def _engine(ref):
 
 
 def _hook(ref, method, *bound):
-    """A hook that calls engine.method(*bound, *the hook's arguments), outside any graph
-    torch.compile makes of the module it hooks (compiled.py, DESIGN.md §13)."""
-    return outside_graphs(lambda *args: getattr(_engine(ref), method)(*bound, *args))
+    """A hook that calls engine.method(*bound, *the hook's arguments)."""
+    return lambda *args: getattr(_engine(ref), method)(*bound, *args)

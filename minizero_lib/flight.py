@@ -297,7 +297,7 @@ def watch(store, flight, world_size, every=0.25):
 class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
     flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps.
-    Its hooks run outside torch.compile's graphs, as the engine's (compiled.outside_graphs)."""
+    Its module hooks run outside torch.compile's graphs, as the engine's (compiled.py)."""
 
     def __init__(self, path, comm, units, tensors, steps=3):
         self.path = path            # the directory of the trace files
@@ -338,13 +338,13 @@ class Tracer:
     def _backward_starts(self, u):
         def hook(grad):
             self.open.setdefault(f"backward unit {u.index}", time.perf_counter())
-        return outside_graphs(hook)
+        return hook
 
     def _grad(self, u):
         def hook(p):
             if f"backward unit {u.index}" in self.open:
                 self.open[f"last grad {u.index}"] = time.perf_counter()
-        return outside_graphs(hook)
+        return hook
 
     def step(self, t):
         """After the engine's step t: close the backward spans, write the file, maybe stop."""
