@@ -24,9 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minizero_lib import checkpoint
+from minizero_lib import checkpoint, compiled, launch
 import minizero
-from minizero_lib import launch, resume
+from minizero_lib import resume
 import ops
 from minizero_lib.ds_config import (check_mesh, grad_accum_for, parse_ds_config, read_json, reshard_arg,
                                     shard_size)
@@ -203,7 +203,7 @@ DEFAULTS = dict(
     seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
     trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, reduce_every="micro_batch",
-    reshard_after_forward="true",
+    reshard_after_forward="true", compile=False,
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -253,6 +253,7 @@ def parse_args(argv=None):
         choices=["micro_batch", "step"])
     opt("--reshard-after-forward", str, "stage 3: true, false (keep for backward), or N: hpZ, "
         "backward gathers among N ranks")
+    opt("--compile", None, "torch.compile each block", action="store_true", default=None)
     opt("--trace", str, "write each rank's Chrome trace of the first steps here (ui.perfetto.dev); 4 steps "
         "unless --steps is given")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
@@ -349,8 +350,6 @@ def train(comm, cfg):
     cuda = device.type == "cuda"
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
     log = print if rank == 0 else (lambda *a, **k: None)
-    if c.native is not None:
-        comm.native = c.native
 
     data = load_data(c.data)
     gcfg = GPTConfig(c.n_layer, c.n_head, c.n_embd, c.block_size, 256, c.bias, c.dropout)
@@ -362,7 +361,9 @@ def train(comm, cfg):
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
                              reduce_every=c.reduce_every,
                              reshard_after_forward=reshard_arg(c.reshard_after_forward),
-                             **optimizer_options(c))
+                             native=c.native, **optimizer_options(c))
+    if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
+        compiled.compile_units(model, [u.module for u in engine.units])
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "

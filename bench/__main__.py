@@ -9,6 +9,8 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
                                      # (+ disk), 4 ranks (memory.py)
     python -m bench --overhead       # one rank: minizero against a plain torch loop
                                      # (GPU if there is one; overhead.py)
+    python -m bench --compile        # each block compiled vs eager: stages 0 and 3
+                                     # beside DDP and FSDP2 (compiled.py)
     python -m bench --gpu [--quick]  # gpu_check.sh: overhead over a plain torch loop,
                                      # rows on CUDA (gpu.py)
     python -m bench --plot DIR [--quick]  # memory.png and timeline.png (figures.py;
@@ -20,6 +22,7 @@ import argparse
 from dataclasses import replace
 
 from bench.common import Config
+from bench.compiled import compiled_table
 from bench.figures import plot
 from bench.gpu import gpu_bench
 from bench.memory import max_model
@@ -38,6 +41,8 @@ def parse(argv=None):
                     help="the scale claim: largest model per budget")
     ap.add_argument("--overhead", action="store_true",
                     help="one rank: minizero against a plain torch loop")
+    ap.add_argument("--compile", action="store_true",
+                    help="each block compiled vs eager, minizero beside torch's DDP and FSDP2")
     ap.add_argument("--gpu", action="store_true", help="gpu_check.sh: overhead over a plain "
                     "torch loop, native rows on CUDA (tiny on the CPU)")
     ap.add_argument("--budget-mb", type=int, default=Config.budget_mb,
@@ -66,6 +71,8 @@ def main(argv=None):
         cfg = replace(cfg, reps=a.reps or cfg.reps, steps=a.steps or cfg.steps)
         if a.overhead:
             overhead_summary(cfg)
+        elif a.compile:
+            compiled_table(cfg)
         else:
             timing_table(cfg)
     return 0

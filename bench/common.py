@@ -49,6 +49,7 @@ class Variant:
     overlap: bool = True
     offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
     record: bool = True  # False: the flight record switched off, to time what it costs
+    compile: bool = False  # each block compiled (torch.compile), before DDP or FSDP2 wrap it
 
     @property
     def zero_stage(self):
@@ -88,6 +89,9 @@ def build(v, comm, gcfg, meta=False):
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = GPT(gcfg, None if meta else torch.Generator().manual_seed(1337))
     model = model if meta else model.to(comm.device)
+    if v.compile and v.kind != "zero":  # (torchtitan's order: compile, then shard)
+        for block in model.transformer.h:
+            block.compile()
     if v.kind == "zero":
         return build_zero(v, comm, model, meta)
     if v.kind == "ddp":
@@ -119,6 +123,9 @@ def build_zero(v, comm, model, meta):
                              decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
                              offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None,
                              init=model.init_weights if meta else None)
+    if v.compile:  # after Engine(...): the engine's hooks stay outside the graphs either way
+        for block in model.transformer.h:
+            block.compile()
     record = comm.flight if v.record else NoRecord(comm.rank)
 
     def step(x, y):

@@ -53,6 +53,7 @@ from minizero_lib import launch
 # Named judge here: check()'s own `referee` is a flag, whether stage 0 is held to torch.
 from minizero_lib import referee as judge
 from minizero_lib.checkpoint import read_state
+from minizero_lib.compiled import compile_units
 from minizero_lib.engine import Engine
 from minizero_lib.optimizers import state_numel, whole_numel
 from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
@@ -86,7 +87,7 @@ def default_loss(model, batch):
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3),
           steps=3, referee=True, tol=None, processes=False, jitter=False, timeout=120.0,
-          device=None, strict_p2p=False, **engine_kw):
+          device=None, strict_p2p=False, compile=False, **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -96,7 +97,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     runs gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
-    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads)."""
+    strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads).
+    compile=True (or a backend's name, "inductor" by default): every rank compiles each of
+    its units' modules after Engine(...) (compiled.compile_units, as torchtitan compiles
+    each block), so the stages are compared, and stage 0 refereed, as compiled code."""
     if 0 not in stages:
         # Everything is compared with stage 0.
         stages = (0, *stages)
@@ -118,6 +122,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
     spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss,
                 steps=steps, jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
+                compile=compile,
                 state={k: v.clone() for k, v in model.state_dict().items()})
     num_threads = torch.get_num_threads()
     # Ranks are threads (or processes on the same cores).
@@ -265,6 +270,9 @@ def _rank(comm, stage, spec):
     # From the model's own sizes, before the engine.
     numel = _padded(model, comm.world_size, kw)
     engine = Engine(model, comm, stage, **kw)
+    if spec.get("compile"):
+        backend = spec["compile"] if isinstance(spec["compile"], str) else "inductor"
+        compile_units(model, [u.module for u in engine.units], backend=backend)
     memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))

@@ -306,6 +306,8 @@ def check_main(argv):
                                                    "divide every world size)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile each unit's module after Engine(...), as torchtitan")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
     a = ap.parse_args(argv)
@@ -325,7 +327,7 @@ def check_main(argv):
         t0 = time.perf_counter()
         report = check.check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
                              world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
-                             jitter=a.jitter, device=a.device, **kw)
+                             jitter=a.jitter, device=a.device, compile=a.compile, **kw)
     except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
         print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from ops import broadcast, split
 from minizero_lib import checkpoint, writer
 from minizero_lib.agree import agree
 from minizero_lib.checkpoint import write_master
+from minizero_lib.compiled import outside_graphs
 from minizero_lib.flight import Tracer
 from minizero_lib.formulas import engine_formula, engine_held, offloaded_held
 from minizero_lib.offload import check_offload, disk_update, pin_region, placement
@@ -342,18 +343,21 @@ class Engine:
 
 def _register_hooks(engine):
     """The engine's hooks on the model. They hold the engine weakly: drop the engine and it
-    (and its thread) goes, instead of living on in a cycle through the parameters."""
+    (and its thread) goes, instead of living on in a cycle through the parameters. The
+    module hooks run outside any graph torch.compile makes of the module (DESIGN.md §14);
+    autograd's run in its engine, which no graph traces."""
     ref, model = weakref.ref(engine), engine.model
     for u in engine.units:
         for i, p in enumerate(u.params):
             p.register_post_accumulate_grad_hook(_hook(ref, "_on_grad", u, i))
         if engine.sharded["params"]:  # (each unit starts released: Unit)
-            u.module.register_forward_pre_hook(_hook(ref, "_gather", u))
-            u.module.register_forward_hook(_hook(ref, "_after_forward", u))
-    model.register_forward_pre_hook(_hook(ref, "_before_forward"), with_kwargs=True)
+            u.module.register_forward_pre_hook(outside_graphs(_hook(ref, "_gather", u)))
+            u.module.register_forward_hook(outside_graphs(_hook(ref, "_after_forward", u)))
+    model.register_forward_pre_hook(outside_graphs(_hook(ref, "_before_forward")),
+                                    with_kwargs=True)
     model.register_load_state_dict_pre_hook(_hook(ref, "_loading"))
     if engine.sharded["params"]:
-        model.register_forward_hook(_hook(ref, "_eval_done"))
+        model.register_forward_hook(outside_graphs(_hook(ref, "_eval_done")))
 
 
 def _engine(ref):

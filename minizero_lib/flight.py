@@ -32,6 +32,8 @@ from collections import deque
 
 import torch
 
+from minizero_lib.compiled import outside_graphs
+
 SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)  # a record's fields
 KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint", "checkpoint": "checkpoint",
               "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()", "state_dict": "state dict"}
@@ -294,7 +296,8 @@ def watch(store, flight, world_size, every=0.25):
 
 class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
-    flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps."""
+    flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps.
+    Its module hooks run outside torch.compile's graphs, as the engine's (compiled.py)."""
 
     def __init__(self, path, comm, units, tensors, steps=3):
         self.path = path            # the directory of the trace files
@@ -318,7 +321,7 @@ class Tracer:
         def hook(module, args):
             if self.flight.spans is not None:
                 self.open[f"forward unit {u.index}"] = time.perf_counter()
-        return hook
+        return outside_graphs(hook)
 
     def _end(self, u):
         def hook(module, args, out):
@@ -330,7 +333,7 @@ class Tracer:
             for t in self.tensors(out):  # backward of this unit starts when its outputs' gradient arrives
                 if t.requires_grad:
                     t.register_hook(self._backward_starts(u))
-        return hook
+        return outside_graphs(hook)
 
     def _backward_starts(self, u):
         def hook(grad):
