@@ -9,6 +9,7 @@ import resource
 import torch
 
 from minizero_lib.optimizers import GATHERED, state_numel, whole_numel
+from minizero_lib.quantize import BLOCK, packed_bytes
 from minizero_lib.stages import sharded
 
 
@@ -43,7 +44,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
 
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
-                        replicas=1, whole_numel=None):
+                        replicas=1, whole_numel=None, quantize_weights=None, quantize_grads=None,
+                        quant_block=BLOCK):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
     over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
@@ -51,8 +53,11 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     params at 1-2). Hybrid: world_size is S, the shard group's ranks, and the reduced shard
     (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S.
     A sharded optimizer with whole-tensor updates gathers what they read ("optimizer",
-    GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}."""
-    S, R = world_size, replicas
+    GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}.
+    Quantized (quantize.py): numel may be each unit's padded Ψ_u (a list), as every piece is
+    padded to whole blocks; see quantized_bytes."""
+    units = [numel] if isinstance(numel, int) else list(numel)
+    numel, S, R = sum(units), world_size, replicas
     per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
     gathers = 2 * grad_accum * param if sharded(stage)["params"] else param if sharded(stage)["optimizer"] else grad
@@ -60,7 +65,27 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
            "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype)}
     if whole_numel and sharded(stage)["optimizer"]:
         out["optimizer"] = sum((S - 1) * (n // S) * GATHERED[k] for k, n in whole_numel.items())
+    if quantize_weights or quantize_grads:
+        out.update(quantized_bytes(units, S, R, stage, grad_accum, reduce_dtype or dtype,
+                                   quantize_weights, quantize_grads, quant_block))
     return {k: v for k, v in out.items() if v}
+
+
+def quantized_bytes(units, S, R, stage, grad_accum, reduce_dtype, weights, grads, block):
+    """The kinds quantization changes, summed over units Ψ_u: stage 3's two gathers per
+    micro-batch send (S-1) int8 messages of Ψ_u/S values; the reduce-scatter (S-1) messages
+    of grads bits; hybrid's all-reduce (R-1) of Ψ_u/(SR) values quantized, then (R-1) pieces
+    exact. A message of n values: quantize.packed_bytes(n), codes and scales."""
+    out, g = {}, torch.finfo(reduce_dtype).bits // 8
+    if weights and sharded(stage)["params"]:
+        out["all_gather"] = 2 * grad_accum * sum((S - 1) * packed_bytes(n // S, weights, block)
+                                                 for n in units)
+    if grads:
+        out["reduce_scatter"] = grad_accum * sum((S - 1) * packed_bytes(n // S, grads, block)
+                                                 for n in units)
+        out["all_reduce"] = sum((R - 1) * (packed_bytes(n // S // R, grads, block) + g * (n // S // R))
+                                for n in units)
+    return out
 
 
 def engine_formula(engine, offloaded=False, sent=False):
@@ -68,8 +93,10 @@ def engine_formula(engine, offloaded=False, sent=False):
     e = engine
     layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
     if sent:
-        return comm_bytes_per_step(*layout, e.grad_accum, e.reduce_dtype, e.replicas.world_size,
-                                   whole_numel(e.units))
+        q = e.quant  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
+        return comm_bytes_per_step([u.padded for u in e.units], *layout[1:], e.grad_accum,
+                                   e.reduce_dtype, e.replicas.world_size, whole_numel(e.units),
+                                   q.weights, q.grads, q.block)
     if offloaded:
         return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
     return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,
