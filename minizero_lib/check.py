@@ -58,6 +58,7 @@ from minizero_lib.optimizers import state_numel, whole_numel
 from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
                                  Row, StepRecord, UnitLayout, run_to_device, seed, to_device)
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero_lib.quantize import BLOCK
 from minizero_lib.stages import default_units, group_params
 
 # cuBLAS's deterministic setting, read when cuBLAS starts.
@@ -91,7 +92,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, shard_size, ...; units may be a function of the model). processes=True
+    grad_accum, clip, shard_size, quantize_grads, ...; units may be a function of the model). processes=True
     runs gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
@@ -114,7 +115,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                          f"as the referee does), or without randomness (model.eval() in "
                          f"make_model, or dropout 0)")
     dtype = engine_kw.get("dtype", torch.float32)
-    report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
+    # Quantized gradients (qgZ) are not torch's: stage 0's is reported against it, not held to it
+    # (tests/test_quantize.py holds the quantization bound); the update half still is.
+    grad_tol = float("inf") if engine_kw.get("quantize_grads") else GRAD_TOL[dtype]
+    report = Report(tol=(tol[0] if tol else grad_tol, tol[1] if tol else UPDATE_TOL))
     spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss,
                 steps=steps, jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
                 state={k: v.clone() for k, v in model.state_dict().items()})
@@ -156,6 +160,9 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
 def _refuse(world_sizes, engine_kw, processes, device, callables):
     """Raise, naming the fix, for options no run can satisfy."""
     S = engine_kw.get("shard_size")
+    if engine_kw.get("quantize_weights"):
+        raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares every "
+                         "stage with stage 0, which gathers nothing: drop it (quantize_grads works)")
     # Hybrid sharding: every stage, stage 0 included, runs at that S.
     if S is not None and any(n % S for n in world_sizes):
         raise ValueError(f"shard_size={S} must divide every world size, and "
@@ -332,15 +339,16 @@ def _perturb(model, rank):
 
 def _padded(model, n, kw):
     """Ψ as the layout must pad it, computed from the model's own parameter sizes and the
-    units (each unit's Ψ padded to a multiple of N here, not by the engine)."""
+    units (each unit's Ψ padded to a multiple of N here, not by the engine), per unit."""
     units = default_units(model) if kw.get("units") is None else kw["units"]
-    return sum(-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units))
+    return [-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units)]
 
 
-def _formulas(numel, n, stage, kw, units):
+def _formulas(sizes, n, stage, kw, units):
     """What memory (with offload) and bytes must be, for Ψ = numel: (memory, bytes). AdamW's
     state is the formula's own (2Ψ/N); another optimizer's state and the whole tensors it
     gathers are counted from the units' layouts (optimizers.state_numel, whole_numel)."""
+    numel = sum(sizes)
     dtype, offload = kw.get("dtype", torch.float32), kw.get("offload")
     params = kw.get("offload_params", False)
     # Hybrid sharding: a unit is cut S ways, and R = N/S replicas.
@@ -349,8 +357,9 @@ def _formulas(numel, n, stage, kw, units):
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
     resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
-    return memory, comm_bytes_per_step(*sharding, kw.get("grad_accum", 1), kw.get("reduce_dtype"),
-                                       n // S, whole_numel(units))
+    return memory, comm_bytes_per_step(sizes, *sharding[1:], kw.get("grad_accum", 1),
+                                       kw.get("reduce_dtype"), n // S, whole_numel(units),
+                                       None, kw.get("quantize_grads"), kw.get("quant_block", BLOCK))
 
 
 def _memory(resident, offloaded):
