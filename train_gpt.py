@@ -28,7 +28,7 @@ from minizero_lib import checkpoint
 import minizero
 from minizero_lib import launch
 import ops
-from minizero_lib.ds_config import grad_accum_for, parse_ds_config, read_json
+from minizero_lib.ds_config import check_quantized, grad_accum_for, parse_ds_config, read_json
 
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT, without dropout (so ranks and stages stay bit-comparable)
@@ -195,7 +195,7 @@ DEFAULTS = dict(
     betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, eval_interval=100, eval_iters=8,
     out_dir=None, resume=False, seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
-    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None,
+    trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, quantize_weights=None, quantize_grads=None,
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -217,7 +217,7 @@ def parse_args(argv=None):
         "'node': torchrun's LOCAL_WORLD_SIZE; None: all ranks")
     opt("--dtype", str, "compute dtype; None: bfloat16 on GPU, float32 on CPU", choices=list(DTYPES))
     for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "grad-accum", "steps",
-                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens"):
+                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens", "quantize-weights", "quantize-grads"):
         opt("--" + name, int)
     for name in ("lr", "min-lr", "clip"):
         opt("--" + name, float)
@@ -269,6 +269,7 @@ def check_config(cfg):
     if cfg["resume"]:
         check_resume(cfg["out_dir"], cfg["steps"])
     shard_size(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
+    check_quantized(cfg)  # ZeRO++'s qwZ (int8 weights, stage 3) and qgZ (int8/int4 gradients)
     if cfg["offload"] and cfg["stage"] == 0:
         raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
                          "state on every rank: use --stage 1, 2 or 3")
@@ -371,7 +372,7 @@ def train(comm, cfg):
                              decay=lambda name, p: p.dim() >= 2, dtype=dtype, grad_accum=c.grad_accum,
                              clip=c.clip or None, offload=c.offload, offload_dir=c.offload_dir,
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
-                             **optimizer_options(c))
+                             quantize_weights=c.quantize_weights, quantize_grads=c.quantize_grads, **optimizer_options(c))
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
