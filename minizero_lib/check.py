@@ -92,8 +92,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, shard_size, quantize_grads, ...; units may be a function of the model). processes=True
-    runs gloo processes: then the callables must be importable. device="cuda": each rank's
+    grad_accum, clip, shard_size, quantize_grads, ...; units may be a function of the model).
+    processes=True runs gloo processes: then the callables must be importable. device="cuda": each rank's
     model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
     with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads)."""
@@ -161,8 +161,9 @@ def _refuse(world_sizes, engine_kw, processes, device, callables):
     """Raise, naming the fix, for options no run can satisfy."""
     S = engine_kw.get("shard_size")
     if engine_kw.get("quantize_weights"):
-        raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares every "
-                         "stage with stage 0, which gathers nothing: drop it (quantize_grads works)")
+        raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares "
+                         "every stage with stage 0, which gathers nothing: drop it "
+                         "(quantize_grads works)")
     # Hybrid sharding: every stage, stage 0 included, runs at that S.
     if S is not None and any(n % S for n in world_sizes):
         raise ValueError(f"shard_size={S} must divide every world size, and "

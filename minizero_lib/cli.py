@@ -62,8 +62,8 @@ def main(argv):
             links = Links(a.intra_gbps * 1e9 / 8, a.inter_gbps * 1e9 / 8, a.latency_us * 1e-6)
             lines += [""] + plan_hybrid(a.params, a.world_size, a.gpus_per_node or a.world_size,
                                         a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype])
-            lines += [""] + plan_zeropp(a.params, a.world_size, a.gpus_per_node or a.world_size, links,
-                                        a.units, DTYPE_NAMES[a.dtype])
+            lines += [""] + plan_zeropp(a.params, a.world_size, a.gpus_per_node or a.world_size,
+                                        links, a.units, DTYPE_NAMES[a.dtype])
         print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
@@ -229,16 +229,18 @@ def move_cost(pattern, ranks, message, calls, node_size, links):
     A ring over every rank crosses at one rank per node, whose link sets the ring's pace; a
     flat all-to-all sends N-G of its N-1 messages across from every rank, shift by shift, each
     shift as slow as its slowest pair; "node" and an all-to-all inside a node stay in it;
-    "across" (one rank per node, N/G of them) sends all its messages across."""
+    "across" (a group of one rank per node, N/G ranks, at every place in the node) sends all
+    its messages across."""
     G, hops = node_size, ranks - 1
     inside = pattern == "node" or (pattern == "all_to_all" and ranks == G) or ranks == 1
     if inside:
         return 0, 0, calls * hops * (message / links.intra + links.latency)
     if pattern == "ring":
-        across = hops * message
-        return calls * across, calls * across, calls * hops * (message / links.inter + links.latency)
-    out = hops * message if pattern == "across" else (ranks - G) * message
-    per_node = G * out
+        # (one rank per node sends across: the node's bytes are that rank's)
+        out, per_node = hops * message, hops * message
+    else:
+        out = hops * message if pattern == "across" else (ranks - G) * message
+        per_node = G * out
     return calls * out, calls * per_node, calls * hops * (message / links.inter + links.latency)
 
 
@@ -251,10 +253,11 @@ def plan_zeropp(params, world_size, node_size, links, units, dtype=torch.bfloat1
         rank, node, secs = (units * sum(c[i] for c in costs) for i in range(3))
         rows.append([name, f"{rank / 1e9:.2f}", f"{node / 1e9:.2f}", f"{secs:.3f}"])
     widths = [2 + max(len(r[i]) for r in rows) for i in range(4)]
-    return [f"ZeRO++ beside ZeRO-3: {params:.3g} parameters, {world_size // node_size} nodes x {node_size} "
-            f"ranks, int8 weights and int4 gradients in blocks of {block} (+4 bytes of scale each); "
-            f"hpZ: the planner's model only"] + \
-        [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:], widths[1:])) for r in rows]
+    title = (f"ZeRO++ beside ZeRO-3: {params:.3g} parameters, {world_size // node_size} nodes x "
+             f"{node_size} ranks, int8 weights and int4 gradients in blocks of {block} (+4 bytes of "
+             f"scale each); hpZ: the planner's model only")
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
+                      for r in rows]
 
 
 BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory

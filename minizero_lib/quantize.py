@@ -52,7 +52,8 @@ def check_quant(stage, weights, grads, block):
         raise ValueError(f"quantize_weights quantizes stage 3's parameter all-gather, and stage "
                          f"{stage} gathers no parameters before use: use stage=3, or drop it")
     if grads not in (None, 8, 4):
-        raise ValueError(f"quantize_grads must be 8 or 4 (int8 or int4 codes) or None; got {grads!r}")
+        raise ValueError(f"quantize_grads must be 8 or 4 (int8 or int4 codes) or None; "
+                         f"got {grads!r}")
     if type(block) is not int or block < 2 or block % 2:
         raise ValueError(f"quant_block must be an even number of values per scale (int4 packs two "
                          f"codes per byte), like {BLOCK}; got {block!r}")

@@ -22,6 +22,7 @@ from minizero_lib.quantize import (QMAX, Quant, dequantize, gather_params, packe
 
 sys.path.insert(0, ".")
 import example_check as ex  # noqa: E402
+from test_equivalence import FIXED, run_check  # noqa: E402
 
 torch.set_num_threads(1)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -166,17 +167,26 @@ def test_quantized_collectives_on_gloo_processes():
 # -----------------------------------------------------------------------------
 # the engine: stages bit-identical, bytes = formula (check), qwZ's weights and master
 
-@pytest.mark.parametrize("kw", [dict(quantize_grads=4), dict(quantize_grads=8, grad_accum=2),
-                                dict(quantize_grads=4, quant_block=6, dtype=torch.bfloat16),
-                                dict(quantize_grads=4, shard_size=2, world=4),
-                                dict(quantize_grads=8, native=True, world=2)])
-def test_stages_are_bit_identical_under_quantize_grads(kw):
-    """check(): every stage's reduced gradients, params and optimizer state equal stage 0's, to
-    the bit, on every rank, and each rank's bytes equal the quantized formula."""
+def test_stages_are_bit_identical_under_quantize_grads():
+    """check() on example_check.py's model (blocks of 256): every stage's reduced gradients,
+    params and optimizer state equal stage 0's, to the bit, on every rank, and each rank's
+    bytes equal the quantized formula."""
+    report = minizero.check(ex.make_model, ex.make_batch, loss_fn=ex.loss_fn, world_sizes=(3,),
+                            steps=2, referee=False, quantize_grads=4, **ex.ENGINE)
+    assert report.ok, report.first
+    assert all(r.bytes_ok for r in report.rows)
+
+
+@pytest.mark.parametrize("case,kw", [(0, dict(quantize_grads=8)), (1, dict(quantize_grads=4)),
+                                     (0, dict(quantize_grads=4, native=True)),
+                                     (0, dict(quantize_grads=4, shard_size=2, world_size=4))])
+def test_stages_are_bit_identical_under_quantize_grads_small_blocks(case, kw):
+    """The same on test_equivalence's fixed models (fp32 with accumulation and ties, bf16 with
+    a frozen layer) in blocks of 6 values, most padded; native: stage 0's one all-reduce
+    shortcut must give way to the quantized reduce-scatter; hybrid: in the group, then
+    across the copies."""
     kw = dict(kw)
-    world = kw.pop("world", 3)
-    report = minizero.check(ex.make_model, ex.make_batch, loss_fn=ex.loss_fn, world_sizes=(world,),
-                            steps=2, **{**ex.ENGINE, **kw})
+    report = run_check(dict(FIXED[case], world_size=kw.pop("world_size", 3)), quant_block=6, **kw)
     assert report.ok, report.first
     assert all(r.bytes_ok for r in report.rows)
 
@@ -268,7 +278,8 @@ def test_planner_prints_zeropp_beside_zero3():
     links = cli.Links(900e9 / 8, 400e9 / 8, 5e-6)
     lines = cli.plan_zeropp(params, N, G, links, units)
     rows = {ln[:26].strip(): [float(v) for v in ln[26:].split()] for ln in lines[2:]}
-    zero3, ours, zeropp = rows["ZeRO-3"], rows["qwZ + qgZ (minizero)"], rows["qwZ + qgZ + hpZ (ZeRO++)"]
+    zero3, ours = rows["ZeRO-3"], rows["qwZ + qgZ (minizero)"]
+    zeropp = rows["qwZ + qgZ + hpZ (ZeRO++)"]
     # ZeRO-3's row is the hybrid table's flat stage 3 (the ledger-tested formula)
     flat = cli.link_bytes_per_step(params, N, 3, G)
     assert zero3[0] == round(flat["busiest"] / 1e9, 2) and zero3[1] == round(flat["inter"] / 1e9, 2)
