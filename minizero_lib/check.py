@@ -93,9 +93,9 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
     grad_accum, clip, shard_size, quantize_grads, ...; units may be a function of the model).
-    processes=True runs gloo processes: then the callables must be importable. device="cuda": each rank's
-    model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
-    with torch's deterministic algorithms, as equal bits need equal local compute.
+    processes=True runs gloo processes: then the callables must be importable. device="cuda":
+    each rank's model and batches, and the torch referee, on the GPU (processes: nccl, one GPU
+    each), with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads)."""
     if 0 not in stages:
         # Everything is compared with stage 0.
@@ -262,9 +262,10 @@ def _rank(comm, stage, spec):
     if callable(kw.get("units")):
         kw["units"] = kw["units"](model)
     # From the model's own sizes, before the engine.
-    numel = _padded(model, comm.world_size, kw)
+    numel, sizes = _padded(model, comm.world_size, kw), _padded_units(model, comm.world_size, kw)
     engine = Engine(model, comm, stage, **kw)
-    memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units)
+    memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units,
+                                              sizes)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
     # The buffers each forward read (after the engine's broadcast: this hook runs after its).
@@ -340,16 +341,21 @@ def _perturb(model, rank):
 
 def _padded(model, n, kw):
     """Ψ as the layout must pad it, computed from the model's own parameter sizes and the
-    units (each unit's Ψ padded to a multiple of N here, not by the engine), per unit."""
+    units (each unit's Ψ padded to a multiple of N here, not by the engine)."""
+    return sum(_padded_units(model, n, kw))
+
+
+def _padded_units(model, n, kw):
+    """Each unit's padded Ψ_u, as _padded adds them up (quantized messages pad per unit)."""
     units = default_units(model) if kw.get("units") is None else kw["units"]
     return [-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units)]
 
 
-def _formulas(sizes, n, stage, kw, units):
+def _formulas(numel, n, stage, kw, units, sizes):
     """What memory (with offload) and bytes must be, for Ψ = numel: (memory, bytes). AdamW's
     state is the formula's own (2Ψ/N); another optimizer's state and the whole tensors it
-    gathers are counted from the units' layouts (optimizers.state_numel, whole_numel)."""
-    numel = sum(sizes)
+    gathers are counted from the units' layouts (optimizers.state_numel, whole_numel).
+    Quantized gradients: their bytes from each unit's padded size, `sizes`."""
     dtype, offload = kw.get("dtype", torch.float32), kw.get("offload")
     params = kw.get("offload_params", False)
     # Hybrid sharding: a unit is cut S ways, and R = N/S replicas.
@@ -358,9 +364,10 @@ def _formulas(sizes, n, stage, kw, units):
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
     resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
-    return memory, comm_bytes_per_step(sizes, *sharding[1:], kw.get("grad_accum", 1),
+    q = kw.get("quantize_grads")
+    return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:], kw.get("grad_accum", 1),
                                        kw.get("reduce_dtype"), n // S, whole_numel(units),
-                                       None, kw.get("quantize_grads"), kw.get("quant_block", BLOCK))
+                                       None, q, kw.get("quant_block", BLOCK))
 
 
 def _memory(resident, offloaded):
