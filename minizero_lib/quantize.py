@@ -111,7 +111,15 @@ def gather_params(shard, flat, group, quant):
     if group.world_size == 1:
         return exact_gather_params(shard, flat, group)
     n, bits = shard.numel(), quant.weights
-    every = all_gather(quantize(shard.to(flat.device), bits, quant.block), group, kind="all_gather")
+    message = quantize(shard.to(flat.device), bits, quant.block)
+    # Dequantizing reads the bytes: torch's all-gather, which the engine may start in flight
+    # (ops.in_flight), finishes here.
+    comm = getattr(group, "comm", group)
+    flying, comm.flying = comm.flying, None
+    try:
+        every = all_gather(message, group, kind="all_gather")
+    finally:
+        comm.flying = flying
     for r, message in enumerate(every.view(group.world_size, -1)):
         chunk(flat, n, r).copy_(dequantize(message, bits, quant.block, n))
     return flat

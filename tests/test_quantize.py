@@ -214,11 +214,11 @@ class Tiny(nn.Module):
         return x.pow(2).mean()
 
 
-def _qwz(comm, model, dtype):
+def _qwz(comm, model, dtype, native):
     """Stage 3 with qwZ: what each forward read, and this rank's exact shard then."""
     model = copy.deepcopy(model)
     e = Engine(model, comm, 3, lr=0.1, dtype=dtype, quantize_weights=8, quantize_grads=4,
-               quant_block=32)
+               quant_block=32, native=native)
     seen = []
     for u in e.units:
         # (after the engine's own pre-hook, which gathers; its forward hook releases)
@@ -236,13 +236,15 @@ def _qwz(comm, model, dtype):
     return seen, sent, formula, masters
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_qwz_forward_reads_dequantized_weights_and_the_master_stays_exact(dtype):
+@pytest.mark.parametrize("dtype,native", [(torch.bfloat16, False), (torch.float16, False),
+                                          (torch.float32, False), (torch.bfloat16, True)])
+def test_qwz_forward_reads_dequantized_weights_and_the_master_stays_exact(dtype, native):
     """Every forward reads, on every rank, the same bits: each chunk its owner's exact shard
     dequantized, in the compute dtype, within amax/254 plus one rounding; the shard the
-    next gather quantizes is the fp32 master rounded, never codes; bytes = the formula."""
+    next gather quantizes is the fp32 master rounded, never codes; bytes = the formula.
+    native: torch's all-gather, which the engine starts in flight (its bytes are read here)."""
     n = 3
-    outs = launch.run_threads(_qwz, n, Tiny(), dtype)
+    outs = launch.run_threads(_qwz, n, Tiny(), dtype, native)
     for seen, sent, formula, masters in outs:
         assert sent == formula
         assert all(torch.equal(s, m.to(dtype)) for m, s in masters)
