@@ -83,8 +83,8 @@ def quantized_bytes(units, S, R, stage, grad_accum, reduce_dtype, weights, grads
     if grads:
         out["reduce_scatter"] = grad_accum * sum((S - 1) * packed_bytes(n // S, grads, block)
                                                  for n in units)
-        out["all_reduce"] = sum((R - 1) * (packed_bytes(n // S // R, grads, block) + g * (n // S // R))
-                                for n in units)
+        pieces = [n // (S * R) for n in units]  # what a rank sums of each unit across replicas
+        out["all_reduce"] = sum((R - 1) * (packed_bytes(p, grads, block) + g * p) for p in pieces)
     return out
 
 
