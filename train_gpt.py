@@ -28,8 +28,8 @@ from minizero_lib import checkpoint, compiled, launch
 import minizero
 from minizero_lib import resume
 import ops
-from minizero_lib.ds_config import (check_mesh, grad_accum_for, parse_ds_config, read_json, reshard_arg,
-                                    shard_size)
+from minizero_lib.ds_config import (check_mesh, check_quantized, grad_accum_for, parse_ds_config,
+                                    read_json, reshard_arg, shard_size)
 
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT; dropout off by default (each process's torch RNG draws its masks:
@@ -203,7 +203,7 @@ DEFAULTS = dict(
     seed=1337, data=None, native=None, preset=None, config=None,
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
     trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, reduce_every="micro_batch",
-    reshard_after_forward="true", compile=False,
+    reshard_after_forward="true", compile=False, quantize_weights=None, quantize_grads=None,
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -227,7 +227,7 @@ def parse_args(argv=None):
         "'node': torchrun's LOCAL_WORLD_SIZE; None: all ranks")
     opt("--dtype", str, "compute dtype; None: bfloat16 on GPU, float32 on CPU", choices=list(DTYPES))
     for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "grad-accum", "steps",
-                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens"):
+                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens", "quantize-weights", "quantize-grads"):
         opt("--" + name, int)
     for name in ("lr", "min-lr", "clip"):
         opt("--" + name, float)
@@ -284,6 +284,7 @@ def check_config(cfg):
     if cfg["data"] is not None:
         check_data(cfg["data"], cfg["block_size"])
     check_mesh(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))  # --shard-size, the modes
+    check_quantized(cfg)  # ZeRO++'s qwZ (int8 weights, stage 3) and qgZ (int8/int4 gradients)
     if cfg["offload"] and cfg["stage"] == 0:
         raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
                          "state on every rank: use --stage 1, 2 or 3")
@@ -361,6 +362,7 @@ def train(comm, cfg):
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
                              reduce_every=c.reduce_every,
                              reshard_after_forward=reshard_arg(c.reshard_after_forward),
+                             quantize_weights=c.quantize_weights, quantize_grads=c.quantize_grads,
                              native=c.native, **optimizer_options(c))
     if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
         compiled.compile_units(model, [u.module for u in engine.units])

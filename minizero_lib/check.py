@@ -59,6 +59,7 @@ from minizero_lib.optimizers import state_numel, whole_numel
 from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
                                  Row, StepRecord, UnitLayout, run_to_device, seed, to_device)
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
+from minizero_lib.quantize import BLOCK
 from minizero_lib.stages import default_units, group_params
 
 # cuBLAS's deterministic setting, read when cuBLAS starts.
@@ -92,11 +93,11 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
     arguments or a dict of keyword arguments. engine_kw goes to Engine (lr, dtype,
-    grad_accum, clip, shard_size, reduce_every, ...; units may be a function of the model;
-    reshard_after_forward is stage 3's alone, held to the others' bits). processes=True
-    runs gloo processes: then the callables must be importable. device="cuda": each rank's
-    model and batches, and the torch referee, on the GPU (processes: nccl, one GPU each),
-    with torch's deterministic algorithms, as equal bits need equal local compute.
+    grad_accum, clip, shard_size, reduce_every, quantize_grads, ...; units may be a function
+    of the model; reshard_after_forward is stage 3's alone, held to the others' bits).
+    processes=True runs gloo processes: then the callables must be importable. device="cuda":
+    each rank's model and batches, and the torch referee, on the GPU (processes: nccl, one GPU
+    each), with torch's deterministic algorithms, as equal bits need equal local compute.
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads).
     compile=True (or a backend's name, "inductor" by default): every rank compiles each of
     its units' modules after Engine(...) (compiled.compile_units, as torchtitan compiles
@@ -119,7 +120,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                          f"as the referee does), or without randomness (model.eval() in "
                          f"make_model, or dropout 0)")
     dtype = engine_kw.get("dtype", torch.float32)
-    report = Report(tol=(tol[0] if tol else GRAD_TOL[dtype], tol[1] if tol else UPDATE_TOL))
+    # Quantized gradients (qgZ) are not torch's: stage 0's is reported against it, not held to it
+    # (tests/test_quantize.py holds the quantization bound); the update half still is.
+    grad_tol = float("inf") if engine_kw.get("quantize_grads") else GRAD_TOL[dtype]
+    report = Report(tol=(tol[0] if tol else grad_tol, tol[1] if tol else UPDATE_TOL))
     spec = dict(make_model=make_model, make_batch=make_batch, loss_fn=loss_fn or default_loss,
                 steps=steps, jitter=jitter, engine_kw=engine_kw, seeded=bool(drawn),
                 compile=compile,
@@ -162,6 +166,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
 def _refuse(world_sizes, engine_kw, processes, device, callables):
     """Raise, naming the fix, for options no run can satisfy."""
     S = engine_kw.get("shard_size")
+    if engine_kw.get("quantize_weights"):
+        raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares "
+                         "every stage with stage 0, which gathers nothing: drop it "
+                         "(quantize_grads works)")
     # Hybrid sharding: every stage, stage 0 included, runs at that S.
     if S is not None and any(n % S for n in world_sizes):
         raise ValueError(f"shard_size={S} must divide every world size, and "
@@ -268,12 +276,13 @@ def _rank(comm, stage, spec):
     if callable(kw.get("units")):
         kw["units"] = kw["units"](model)
     # From the model's own sizes, before the engine.
-    numel = _padded(model, comm.world_size, kw)
+    numel, sizes = _padded(model, comm.world_size, kw), _padded_units(model, comm.world_size, kw)
     engine = Engine(model, comm, stage, **kw)
     if spec.get("compile"):
         backend = spec["compile"] if isinstance(spec["compile"], str) else "inductor"
         compile_units(model, [u.module for u in engine.units], backend=backend)
-    memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units)
+    memory_formula, bytes_formula = _formulas(numel, comm.world_size, stage, kw, engine.units,
+                                              sizes)
     if spec["jitter"]:
         _jitter(engine, random.Random(1000 * stage + comm.rank))
     # The buffers each forward read (after the engine's broadcast: this hook runs after its).
@@ -352,14 +361,20 @@ def _perturb(model, rank):
 def _padded(model, n, kw):
     """Ψ as the layout must pad it, computed from the model's own parameter sizes and the
     units (each unit's Ψ padded to a multiple of N here, not by the engine)."""
+    return sum(_padded_units(model, n, kw))
+
+
+def _padded_units(model, n, kw):
+    """Each unit's padded Ψ_u, as _padded adds them up (quantized messages pad per unit)."""
     units = default_units(model) if kw.get("units") is None else kw["units"]
-    return sum(-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units))
+    return [-(-sum(p.numel() for _, p in g) // n) * n for g in group_params(model, units)]
 
 
-def _formulas(numel, n, stage, kw, units):
+def _formulas(numel, n, stage, kw, units, sizes):
     """What memory (with offload) and bytes must be, for Ψ = numel: (memory, bytes). AdamW's
     state is the formula's own (2Ψ/N); another optimizer's state and the whole tensors it
-    gathers are counted from the units' layouts (optimizers.state_numel, whole_numel)."""
+    gathers are counted from the units' layouts (optimizers.state_numel, whole_numel).
+    Quantized gradients: their bytes from each unit's padded size, `sizes`."""
     dtype, offload = kw.get("dtype", torch.float32), kw.get("offload")
     params = kw.get("offload_params", False)
     # Hybrid sharding: a unit is cut S ways, and R = N/S replicas.
@@ -370,8 +385,10 @@ def _formulas(numel, n, stage, kw, units):
     resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel,
                                  **modes)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
-    return memory, comm_bytes_per_step(*sharding, kw.get("grad_accum", 1), kw.get("reduce_dtype"),
-                                       n // S, whole_numel(units), **modes)
+    q = kw.get("quantize_grads")
+    return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:], kw.get("grad_accum", 1),
+                                       kw.get("reduce_dtype"), n // S, whole_numel(units), **modes,
+                                       quantize_grads=q, quant_block=kw.get("quant_block", BLOCK))
 
 
 def _memory(resident, offloaded):

@@ -25,6 +25,7 @@ from minizero_lib import checkpoint
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.stages import sharded
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
+from minizero_lib.quantize import BLOCK, packed_bytes
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
 
@@ -69,6 +70,8 @@ def main(argv):
                 lines += [""] + plan_modes(a.params, a.world_size, a.gpus_per_node or a.world_size,
                                            a.shard_size or a.gpus_per_node, links, a.units,
                                            DTYPE_NAMES[a.dtype], a.grad_accum)
+            lines += [""] + plan_zeropp(a.params, a.world_size, a.gpus_per_node or a.world_size,
+                                        links, a.units, DTYPE_NAMES[a.dtype])
         print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
@@ -249,6 +252,68 @@ def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, g
              f"gathers among G ranks (a node)")
     return [title] + ["".join(c.ljust(w) for c, w in zip(r[:4], widths)) +
                       "".join(c.rjust(w) for c, w in zip(r[4:], widths[4:])) for r in rows]
+
+
+# -----------------------------------------------------------------------------
+# ZeRO++ beside ZeRO-3: quantized messages (quantize.py) in the ring model, per move
+
+
+def zeropp_moves(params, world_size, node_size, units, dtype=torch.bfloat16, block=BLOCK):
+    """Stage 3's moves in one step (one micro-batch) under ZeRO-3, minizero's quantized run
+    (Engine(quantize_weights=8, quantize_grads=4): int8 ring gathers, int4 flat all-to-all)
+    and ZeRO++ (qwZ + qgZ + hpZ): -> {row: [(pattern, ranks, message bytes, calls)]}, per
+    unit; a pattern is "ring" (N ranks in a ring), "all_to_all" (N-1 shifts) or "node" (a
+    ring inside each node), over all ranks unless ranks says "node" or "across" (one rank
+    per node: hierarchical qgZ's second hop). hpZ is Engine(reshard_after_forward=G): its backward
+    gather stays in the node, from a copy cut over the node."""
+    N, G, d = world_size, node_size, torch.finfo(dtype).bits // 8
+    numel_u = -(-int(params) // (units * N)) * N  # each unit padded to a multiple of N
+    int8, int4 = packed_bytes(numel_u // N, 8, block), packed_bytes(numel_u // N, 4, block)
+    return {
+        "ZeRO-3": [("ring", N, d * numel_u // N, 2), ("ring", N, d * numel_u // N, 1)],
+        "qwZ + qgZ (minizero)": [("ring", N, int8, 2), ("all_to_all", N, int4, 1)],
+        # forward gather int8 over all; backward gather in the node from hpZ's copy (Ψ/G each);
+        # qgZ: an all-to-all in the node, then one across nodes among the ranks at one position
+        "qwZ + qgZ + hpZ (ZeRO++)": [("ring", N, int8, 1), ("node", G, d * numel_u // G, 1),
+                                     ("all_to_all", G, packed_bytes(numel_u // G, 4, block), 1),
+                                     ("across", N // G, int4, 1)],
+    }
+
+
+def move_cost(pattern, ranks, message, calls, node_size, links):
+    """One move per unit: (bytes a rank sends across nodes, bytes a node sends across, seconds).
+    A ring over every rank crosses at one rank per node, whose link sets the ring's pace; a
+    flat all-to-all sends N-G of its N-1 messages across from every rank, shift by shift, each
+    shift as slow as its slowest pair; "node" and an all-to-all inside a node stay in it;
+    "across" (a group of one rank per node, N/G ranks, at every place in the node) sends all
+    its messages across."""
+    G, hops = node_size, ranks - 1
+    inside = pattern == "node" or (pattern == "all_to_all" and ranks == G) or ranks == 1
+    if inside:
+        return 0, 0, calls * hops * (message / links.intra + links.latency)
+    if pattern == "ring":
+        # (one rank per node sends across: the node's bytes are that rank's)
+        out, per_node = hops * message, hops * message
+    else:
+        out = hops * message if pattern == "across" else (ranks - G) * message
+        per_node = G * out
+    return calls * out, calls * per_node, calls * hops * (message / links.inter + links.latency)
+
+
+def plan_zeropp(params, world_size, node_size, links, units, dtype=torch.bfloat16, block=BLOCK):
+    """Lines of ZeRO++ beside ZeRO-3 (stage 3, one micro-batch): bytes across nodes per rank
+    and per node, and the ring model's communication time, nothing overlapped."""
+    rows = [["stage 3", "across/rank GB", "across/node GB", "comm s/step"]]
+    for name, moves in zeropp_moves(params, world_size, node_size, units, dtype, block).items():
+        costs = [move_cost(*m, node_size, links) for m in moves]
+        rank, node, secs = (units * sum(c[i] for c in costs) for i in range(3))
+        rows.append([name, f"{rank / 1e9:.2f}", f"{node / 1e9:.2f}", f"{secs:.3f}"])
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(4)]
+    title = (f"ZeRO++ beside ZeRO-3: {params:.3g} parameters, {world_size // node_size} nodes x "
+             f"{node_size} ranks, int8 weights and int4 gradients in blocks of {block} (+4 bytes of "
+             f"scale each); hpZ: the backward gather in the node")
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
+                      for r in rows]
 
 
 BYTES = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,  # what people type after --memory

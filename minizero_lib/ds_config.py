@@ -36,7 +36,11 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
     "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool, "true or false"),
     # ZeRO++ hpZ: the secondary partition's size (1: none), Engine(reshard_after_forward=G)
     "zero_optimization.zero_hpz_partition_size": ("reshard_after_forward", _int, "an integer >= 1"),
+    # ZeRO++: qwZ's int8 parameter all-gather, qgZ's int4 gradient all-to-all (quantize.py)
+    "zero_optimization.zero_quantized_weights": ("quantize_weights", lambda v: type(v) is bool, "true or false"),
+    "zero_optimization.zero_quantized_gradients": ("quantize_grads", lambda v: type(v) is bool, "true or false"),
 }
+QUANTIZED = {"quantize_weights": 8, "quantize_grads": 4}  # DeepSpeed's true -> the bits ZeRO++ uses
 
 
 def parse_ds_config(ds):
@@ -66,6 +70,9 @@ def parse_ds_config(ds):
         out["offload"] = OFFLOAD[out["offload"]]
     if out.get("reshard_after_forward") == 1:  # DeepSpeed's 1: no secondary partition
         out["reshard_after_forward"] = "true"
+    for name, bits in QUANTIZED.items():
+        if name in out:
+            out[name] = bits if out[name] else None
     if "optimizer" in out:  # (Adam is trained as AdamW: decoupled decay, as the demo always had it)
         out["optimizer"] = OPTIMIZER[str(out["optimizer"]).lower()]
     return {k: v for k, v in out.items() if k not in ("bf16", "fp16")}
@@ -83,6 +90,17 @@ def read_json(path):
     if not isinstance(ds, dict):
         raise ValueError(f"--config {path} holds a JSON {type(ds).__name__}; a DeepSpeed config is an object {{...}}")
     return ds
+
+
+def check_quantized(cfg):
+    """--quantize-weights and --quantize-grads (or their DeepSpeed keys): a ValueError naming the fix."""
+    if cfg.get("quantize_weights") not in (None, 8):
+        raise ValueError(f"--quantize-weights must be 8 (int8 codes); got {cfg['quantize_weights']}")
+    if cfg.get("quantize_grads") not in (None, 8, 4):
+        raise ValueError(f"--quantize-grads must be 8 or 4 (int8 or int4 codes); got {cfg['quantize_grads']}")
+    if cfg.get("quantize_weights") and cfg["stage"] != 3:
+        raise ValueError(f"--quantize-weights (zero_quantized_weights) quantizes stage 3's parameter all-gather, "
+                         f"and stage {cfg['stage']} gathers none: use --stage 3, or drop it")
 
 
 def grad_accum_for(c, world_size):

@@ -25,6 +25,7 @@ from minizero_lib.formulas import engine_formula, engine_held, offloaded_held
 from minizero_lib.offload import check_offload, disk_update, pin_region, placement
 from minizero_lib.optimizers import Hyper, choose_rules, optimizer_options
 from minizero_lib.overlap import CommQueue
+from minizero_lib.quantize import BLOCK, check_quant
 from minizero_lib.scaler import LossScaler
 from minizero_lib.stages import clip_coef, default_units, group_params, hpz_group, sharded
 from minizero_lib.unit import Unit, release_all
@@ -43,12 +44,14 @@ class Engine:
                  reduce_dtype=None, loss_scale=2.0 ** 16, init=None, scale_window=1000,
                  skip_limit=25, broadcast_buffers=True, offload=None, offload_dir=None,
                  offload_params=False, pin_memory=True, overlap=True, native=None, shard_size=None,
-                 trace=None, reduce_every="micro_batch", reshard_after_forward=True, **options):
+                 trace=None, reduce_every="micro_batch", reshard_after_forward=True,
+                 quantize_weights=None, quantize_grads=None, quant_block=BLOCK, **options):
         check_engine_args(model, stage, dtype, grad_accum)
         check_modes(stage, reduce_every, reshard_after_forward, comm.world_size, shard_size)
         owners = meta_owners(model, init)  # None unless built (in part) on the meta device
         options = optimizer_options(optimizer, options)  # torch.optim's defaults, and names
         check_offload(stage, offload, offload_dir, offload_params)
+        self.quant = check_quant(stage, quantize_weights, quantize_grads, quant_block)  # qwZ, qgZ
         if native is not None:
             comm.native = native  # torch's own collectives instead of the ring (ops.py)
         check_same_model(model, comm)  # first: every later collective's size depends on it
@@ -93,7 +96,8 @@ class Engine:
             g = materialize(g, owners, device, init) if owners else g  # one unit at a time
             self.units.append(Unit(i, m, g, comm, self.shards, dtype, self.sharded, decay,
                                    [rule(n, p) for n, p in g], options, place,
-                                   self.reduce_dtype if reduce_every == "step" else dtype))
+                                   self.reduce_dtype if reduce_every == "step" else dtype,
+                                   self.quant))
         self.pinned = pin_region(self.units, place)  # the host state's one pinned region, or None
         self.device = device                    # where the model lives
         self.order = self.units[::-1]           # reduce order: the same on every rank

@@ -9,6 +9,7 @@ import resource
 import torch
 
 from minizero_lib.optimizers import GATHERED, state_numel, whole_numel
+from minizero_lib.quantize import BLOCK, packed_bytes
 from minizero_lib.stages import sharded
 
 
@@ -52,7 +53,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
 
 def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
                         replicas=1, whole_numel=None, reduce_every="micro_batch",
-                        reshard_after_forward=True):
+                        reshard_after_forward=True, quantize_weights=None, quantize_grads=None,
+                        quant_block=BLOCK):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
     over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
@@ -63,19 +65,45 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}.
     reduce_every="step": the gradients are reduce-scattered once per step, whatever grad_accum.
     Stage 3's reshard_after_forward=False: one gather per micro-batch (the forward's); G: the
-    backward's gather runs among G ranks, (G-1)/G·Ψ each, kind "hpz_gather"."""
-    S, R, rf = world_size, replicas, reshard_after_forward
+    backward's gather runs among G ranks, (G-1)/G·Ψ each, kind "hpz_gather".
+    Quantized (quantize.py): numel may be each unit's padded Ψ_u (a list), as every piece is
+    padded to whole blocks; see quantized_bytes."""
+    units = [numel] if isinstance(numel, int) else list(numel)
+    numel, S, R, rf = sum(units), world_size, replicas, reshard_after_forward
     per = lambda n, k, t: (n - 1) * (k // n) * (torch.finfo(t).bits // 8)  # noqa: E731
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
-    gathers = (2 if rf is True else 1) * grad_accum * param if sharded(stage)["params"] \
-        else param if sharded(stage)["optimizer"] else grad
+    # stage 3's gathers per step, and the gradient reductions per step
+    gathers_3 = (2 if rf is True else 1) * grad_accum
     reductions = 1 if reduce_every == "step" else grad_accum
+    gathers = gathers_3 * param if sharded(stage)["params"] \
+        else param if sharded(stage)["optimizer"] else grad
     out = {"reduce_scatter": grad * reductions, "all_gather": gathers,
            "all_reduce": 2 * per(R, numel // S, reduce_dtype or dtype),
            "hpz_gather": grad_accum * per(rf, numel, dtype) if type(rf) is int else 0}
     if whole_numel and sharded(stage)["optimizer"]:
         out["optimizer"] = sum((S - 1) * (n // S) * GATHERED[k] for k, n in whole_numel.items())
+    if quantize_weights or quantize_grads:
+        out.update(quantized_bytes(units, S, R, stage, gathers_3, reductions,
+                                   reduce_dtype or dtype, quantize_weights, quantize_grads,
+                                   quant_block))
     return {k: v for k, v in out.items() if v}
+
+
+def quantized_bytes(units, S, R, stage, gathers, reductions, reduce_dtype, weights, grads, block):
+    """The kinds quantization changes, summed over units Ψ_u: each of stage 3's `gathers` per
+    step sends (S-1) int8 messages of Ψ_u/S values; each of the `reductions` (S-1) messages
+    of grads bits; hybrid's all-reduce (R-1) of Ψ_u/(SR) values quantized, then (R-1) pieces
+    exact. A message of n values: quantize.packed_bytes(n), codes and scales."""
+    out, g = {}, torch.finfo(reduce_dtype).bits // 8
+    if weights and sharded(stage)["params"]:
+        out["all_gather"] = gathers * sum((S - 1) * packed_bytes(n // S, weights, block)
+                                          for n in units)
+    if grads:
+        out["reduce_scatter"] = reductions * sum((S - 1) * packed_bytes(n // S, grads, block)
+                                                 for n in units)
+        pieces = [n // (S * R) for n in units]  # what a rank sums of each unit across replicas
+        out["all_reduce"] = sum((R - 1) * (packed_bytes(p, grads, block) + g * p) for p in pieces)
+    return out
 
 
 def engine_formula(engine, offloaded=False, sent=False):
@@ -84,8 +112,11 @@ def engine_formula(engine, offloaded=False, sent=False):
     layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
     modes = dict(reduce_every=e.reduce_every, reshard_after_forward=e.reshard_after_forward)
     if sent:
-        return comm_bytes_per_step(*layout, e.grad_accum, e.reduce_dtype, e.replicas.world_size,
-                                   whole_numel(e.units), **modes)
+        q = e.quant  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
+        return comm_bytes_per_step([u.padded for u in e.units], *layout[1:], e.grad_accum,
+                                   e.reduce_dtype, e.replicas.world_size, whole_numel(e.units),
+                                   **modes, quantize_weights=q.weights, quantize_grads=q.grads,
+                                   quant_block=q.block)
     if offloaded:
         return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
     return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,

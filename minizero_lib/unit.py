@@ -18,6 +18,7 @@ ranks, or S of them when hybrid). A unit's life in one step:
 import torch
 
 from ops import all_gather, broadcast
+from minizero_lib import quantize
 from minizero_lib.optimizers import WHOLE, runs, state_keys, state_layout
 from minizero_lib.stages import (all_reduce_replicas, chunk, ddp_all_reduce, ddp_gather_grads,
                                  ddp_update, gather_params, gather_secondary, keep_secondary,
@@ -32,7 +33,7 @@ class Unit:
     dtype (the compute dtype; the reduce dtype under reduce_every="step", where it is a sum)."""
 
     def __init__(self, index, module, named, comm, group, dtype, cut, decay, rules, options,
-                 place, bucket_dtype=None):
+                 place, bucket_dtype=None, quant=quantize.Quant()):
         N, S, r = comm.world_size, group.world_size, group.rank
         self.index = index                          # the unit's number, in the engine's list
         self.module = module                        # the nn.Module whose parameters these are
@@ -45,6 +46,7 @@ class Unit:
         self.used = [False] * len(self.params)
         self.steps = [0] * len(self.params)
         self.rules = rules                          # per parameter: the update it gets
+        self.quant = quant                          # what its collectives quantize (quantize.py)
         self.keys = [state_keys(k, p.shape, options) for k, p in zip(rules, self.params)]
         self.whole_rule = next((k for k in rules if k in WHOLE), None)  # reads whole tensors
         lo, hi = (r * self.shard_size, (r + 1) * self.shard_size) if cut["optimizer"] \
@@ -113,11 +115,13 @@ class Unit:
             self.flat.untyped_storage().resize_(self.padded * self.flat.element_size())
             if self.viewing is not self.flat:  # after gathered() they still view what it held
                 self.point(self.flat)
-            secondary = self.secondary
-            if secondary is None:
-                self.pending = submit(lambda: gather_params(self.shard, self.flat, group))
-            else:
+            secondary, q = self.secondary, self.quant
+            if secondary is not None:  # hpZ: from the secondary shard, among G ranks
                 self.pending = submit(lambda: gather_secondary(secondary, self.flat, hpz))
+            elif q.weights:  # qwZ: int8 codes and their scales move instead (quantize.py)
+                self.pending = submit(lambda: quantize.gather_params(self.shard, self.flat, group, q))
+            else:
+                self.pending = submit(lambda: gather_params(self.shard, self.flat, group))
         return self.pending
 
     def release(self, keep_secondary=False):
@@ -202,15 +206,17 @@ class Unit:
         local, earlier = bucket.to(reduce_dtype), None if first else self.reduced
         # stage 0 gathers the whole sum into its bucket, where the dtypes agree
         out = None if self.cut["optimizer"] or bucket.dtype != local.dtype else bucket
-        whole = not self.cut["optimizer"]
+        whole, q = not self.cut["optimizer"], self.quant  # q.grads: qgZ (quantize.py)
 
         def job():
-            if whole and last and first and ddp_shortcut(shards, replicas):
+            if whole and last and first and ddp_shortcut(shards, replicas) and not q.grads:
                 self.reduced, self.reduced_full = ddp_all_reduce(local, shards)
                 return
-            reduced = reduce_grads(local, earlier, shards)
+            reduced = quantize.reduce_grads(local, earlier, shards, q) if q.grads else \
+                reduce_grads(local, earlier, shards)
             if last and replicas.world_size > 1:  # hybrid: across the copies, once per step
-                reduced = all_reduce_replicas(reduced, replicas)
+                reduced = quantize.all_reduce_replicas(reduced, replicas, q) if q.grads else \
+                    all_reduce_replicas(reduced, replicas)
             self.reduced = reduced
             if whole and last:  # stage 0: the whole optimizer needs the whole gradient
                 self.reduced_full = ddp_gather_grads(reduced, shards, out)
