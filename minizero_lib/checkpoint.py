@@ -34,8 +34,9 @@ import shutil
 
 import torch
 
-from ops import all_gather
+from ops import all_gather, broadcast
 from minizero_lib.optimizers import state_layout
+from minizero_lib.unit import release_all
 
 FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
 ADAMW = {"kind": "adamw", "state": {"m": None, "v": None}}  # a parameter of a checkpoint that names no optimizer
@@ -178,6 +179,33 @@ def write_state(engine, states):
     for u, state in states:
         for k, t in read_state(engine, u).items():
             t.copy_(state[k])
+
+
+@contextlib.contextmanager
+def gathered(engine, modules=None, writable=False):
+    """Collective: every rank enters it. Inside, the parameters of the units that hold
+    `modules`' parameters (all units by default) are whole and may be read. With
+    writable=True, on exit rank 0's values win: they are broadcast and written into every
+    rank's fp32 master (and stage 3's shard), so every rank trains on what rank 0 wrote.
+    DeepSpeed: GatheredParameters; FSDP: summon_full_params. Outside it, at stage 3,
+    reading a parameter raises (user_model.ShardedParameter)."""
+    want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
+    units = [u for u in engine.units if want is None or any(id(p) in want for p in u.params)]
+    engine.queue.drain()
+    if engine.sharded["params"]:
+        release_all(engine.units)
+        for u in units:
+            u.hold(engine.shards, engine.device)
+    engine.writing = writable
+    try:
+        yield
+    finally:
+        engine.writing = False
+        for u in units:
+            if writable:
+                full = u.flat if u.held is None else u.held
+                write_master(engine, u, broadcast(full, engine.comm, kind="gathered"))
+            u.unhold()
 
 
 def write_master(engine, u, full):

@@ -9,7 +9,6 @@ stage-3 unit before it is used and prefetch the next, update after the last micr
     engine.backward(loss)       # once per micro-batch
     engine.step()               # after grad_accum of them
 """
-import contextlib
 import os
 import weakref
 
@@ -18,7 +17,6 @@ import torch
 from ops import broadcast, split
 from minizero_lib import checkpoint, writer
 from minizero_lib.agree import agree
-from minizero_lib.checkpoint import write_master
 from minizero_lib.compiled import outside_graphs
 from minizero_lib.flight import Tracer
 from minizero_lib.formulas import engine_formula, engine_held, offloaded_held
@@ -171,31 +169,11 @@ class Engine:
         """Stage 3: an eval forward (no backward follows) leaves nothing gathered or in flight."""
         return None if torch.is_grad_enabled() else release_all(self.units)
 
-    @contextlib.contextmanager
     def gathered(self, modules=None, writable=False):
         """Collective: every rank enters it. Inside, the parameters of the units that hold
-        `modules`' parameters (all units by default) are whole and may be read. With
-        writable=True, on exit rank 0's values win: they are broadcast and written into every
-        rank's fp32 master (and stage 3's shard), so every rank trains on what rank 0 wrote.
-        DeepSpeed: GatheredParameters; FSDP: summon_full_params. Outside it, at stage 3,
-        reading a parameter raises (user_model.ShardedParameter)."""
-        want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
-        units = [u for u in self.units if want is None or any(id(p) in want for p in u.params)]
-        self.queue.drain()
-        if self.sharded["params"]:
-            release_all(self.units)
-            for u in units:
-                u.hold(self.shards, self.device)
-        self.writing = writable
-        try:
-            yield
-        finally:
-            self.writing = False
-            for u in units:
-                if writable:
-                    full = u.flat if u.held is None else u.held
-                    write_master(self, u, broadcast(full, self.comm, kind="gathered"))
-                u.unhold()
+        `modules`' parameters (all by default) are whole and may be read; writable=True: on
+        exit rank 0's values win, master and shard included (checkpoint.gathered)."""
+        return checkpoint.gathered(self, modules, writable)
 
     # ---- backward: collect local gradients, reduce each unit once it is complete
 
