@@ -386,7 +386,8 @@ def _formulas(numel, n, stage, kw, units, sizes):
                                  **modes)
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
     q = kw.get("quantize_grads")
-    return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:], kw.get("grad_accum", 1),
+    return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:],
+                                       kw.get("grad_accum", 1),
                                        kw.get("reduce_dtype"), n // S, whole_numel(units), **modes,
                                        quantize_grads=q, quant_block=kw.get("quant_block", BLOCK))
 

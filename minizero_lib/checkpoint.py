@@ -39,7 +39,8 @@ from minizero_lib.optimizers import state_layout
 from minizero_lib.unit import release_all
 
 FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
-ADAMW = {"kind": "adamw", "state": {"m": None, "v": None}}  # a parameter of a checkpoint that names no optimizer
+# a parameter of a checkpoint that names no optimizer
+ADAMW = {"kind": "adamw", "state": {"m": None, "v": None}}
 FIELDS = {  # what load() and read_checkpoint() rely on, per part of the manifest: name -> JSON type
     "manifest": {"format": str, "tag": str, "step": int, "scale": (int, float), "clean_steps": int,
                  "world_size": int, "state_dict": list, "units": list, "shards": list},
@@ -64,8 +65,10 @@ def my_state(engine, u, k):
     st = read_state(engine, u)
     q = u.padded // engine.comm.world_size
     start = k * q - (engine.shards.rank * u.shard_size if engine.sharded["optimizer"] else 0)
-    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.rules, u.keys, k * q, k * q + q)
-    state = from_params(pieces, u.keys, sizes, to_params(u.pieces, u.keys, st, [p.numel() for p in u.params]))
+    pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.rules, u.keys, k * q,
+                                 k * q + q)
+    state = from_params(pieces, u.keys, sizes,
+                        to_params(u.pieces, u.keys, st, [p.numel() for p in u.params]))
     return {"master": st["master"][start:start + q], **state}
 
 
@@ -104,12 +107,16 @@ def manifest(engine, tag, meta):
             "shard_size": engine.shards.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "optimizer": engine.optimizer,
-            "hparams": {"lr": engine.lr, "weight_decay": engine.weight_decay, "grad_accum": engine.grad_accum,
-                        "clip": engine.clip, **{k: v for k, v in engine.options.items() if not callable(v)}},
+            "hparams": {"lr": engine.lr, "weight_decay": engine.weight_decay,
+                        "grad_accum": engine.grad_accum,
+                        "clip": engine.clip,
+                        **{k: v for k, v in engine.options.items() if not callable(v)}},
             "units": [{"numel": u.numel, "padded": u.padded,
-                       "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape), "offset": o,
+                       "params": [{"name": n, "aliases": aliases[id(p)], "shape": list(p.shape),
+                                   "offset": o,
                                    "steps": t, "kind": kind, "state": keys}
-                                  for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets, u.steps, u.rules,
+                                  for n, p, o, t, kind, keys in zip(u.names, u.params, u.offsets,
+                                                                    u.steps, u.rules,
                                                                     u.keys)]}
                       for u in engine.units],
             "meta": meta}
@@ -141,7 +148,8 @@ def load(engine, path):
     r = engine.shards.rank  # (hybrid: every replica takes the same chunk)
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     write_state(engine, ((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
-        u.pieces, u.keys, u.sizes, [{k: params[n][k] for k in keys} for n, keys in zip(u.names, u.keys)])})
+        u.pieces, u.keys, u.sizes,
+        [{k: params[n][k] for k in keys} for n, keys in zip(u.names, u.keys)])})
         for u in engine.units))
     for u in engine.units:  # then what the model reads
         u.steps = [params[n]["steps"] for n in u.names]  # the optimizer's per-parameter step counts
@@ -212,7 +220,8 @@ def write_master(engine, u, full):
     """Take the unit's whole params `full` as the new weights (engine.gathered(writable=True)):
     this rank's master (on disk too), the stage-3 shard, and flat."""
     mine = u.chunk(full, engine.shards.rank) if engine.sharded["optimizer"] else full
-    state = read_state(engine, u)  # (from disk: a copy, written back whole: a slot is written whole)
+    # (from disk: a copy, written back whole: a slot is written whole)
+    state = read_state(engine, u)
     state["master"].copy_(mine)
     if engine.disk is not None:
         write_state(engine, [(u, state)])
@@ -234,7 +243,8 @@ def full_state_dict(engine):
     values = {}
     for u in engine.units:
         master = read_state(engine, u, master_only=True)["master"].to(engine.device)
-        full = all_gather(master, engine.shards, kind="state_dict") if engine.sharded["optimizer"] else master
+        full = all_gather(master, engine.shards,
+                          kind="state_dict") if engine.sharded["optimizer"] else master
         for p, o in zip(u.params, u.offsets):
             values[id(p)] = full[o:o + p.numel()].view(p.shape)
     out = {}
@@ -397,7 +407,8 @@ def consolidate(path):
 
 def _assemble(u, params, key):
     """One unit's padded fp32 vector of `key`, in this layout, from per-name values."""
-    x = torch.zeros(u.padded, dtype=torch.float32)  # on the host, as read: each rank copies its chunk over
+    # on the host, as read: each rank copies its chunk over
+    x = torch.zeros(u.padded, dtype=torch.float32)
     for n, p, o in zip(u.names, u.params, u.offsets):
         x[o:o + p.numel()] = params[n][key].reshape(-1)
     return x

@@ -27,7 +27,8 @@ from minizero_lib.stages import sharded
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 from minizero_lib.quantize import BLOCK, packed_bytes
 
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # what --dtype takes
+# what --dtype takes
+DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def main(argv):
@@ -40,22 +41,30 @@ def main(argv):
         ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
         ap.add_argument("--world-size", type=int, required=True)
         ap.add_argument("--dtype", choices=list(DTYPE_NAMES), default="bf16")
-        ap.add_argument("--memory", help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
+        ap.add_argument("--memory",
+                        help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
                                          "also print the largest model per stage")
-        ap.add_argument("--offload", choices=["cpu", "disk"], help="the optimizer state off the device "
+        ap.add_argument("--offload", choices=["cpu", "disk"],
+                        help="the optimizer state off the device "
                                                                    "(stages 1-3): print what stays resident")
         ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                         help="its state per parameter beside the fp32 master: AdamW m, v; SGD (with momentum) and "
                              "Muon a momentum; Adafactor's factored rows and columns, counted as 0")
-        ap.add_argument("--gpus-per-node", type=int, help="also print flat against hybrid sharding: bytes "
+        ap.add_argument("--gpus-per-node", type=int,
+                        help="also print flat against hybrid sharding: bytes "
                                                           "inside and across nodes, and the ring model's time")
-        ap.add_argument("--shard-size", type=int, help="hybrid: ranks a unit is sharded over (default: a node)")
-        ap.add_argument("--intra-gbps", type=float, default=900.0, help="link inside a node, Gbit/s per GPU "
+        ap.add_argument("--shard-size", type=int,
+                        help="hybrid: ranks a unit is sharded over (default: a node)")
+        ap.add_argument("--intra-gbps", type=float, default=900.0,
+                        help="link inside a node, Gbit/s per GPU "
                                                                          "and direction (default 900)")
-        ap.add_argument("--inter-gbps", type=float, default=400.0, help="link across nodes, Gbit/s per GPU "
+        ap.add_argument("--inter-gbps", type=float, default=400.0,
+                        help="link across nodes, Gbit/s per GPU "
                                                                          "and direction (default 400)")
-        ap.add_argument("--latency-us", type=float, default=5.0, help="per ring hop, microseconds (default 5)")
-        ap.add_argument("--units", type=int, default=32, help="units (layers): collectives per step (default 32)")
+        ap.add_argument("--latency-us", type=float, default=5.0,
+                        help="per ring hop, microseconds (default 5)")
+        ap.add_argument("--units", type=int, default=32,
+                        help="units (layers): collectives per step (default 32)")
         ap.add_argument("--grad-accum", type=int,
                         help="with --gpus-per-node: micro-batches per step; also print each mode "
                              "(reduce_every, stage 3's reshard_after_forward)")
@@ -65,7 +74,8 @@ def main(argv):
         if a.gpus_per_node is not None or a.shard_size is not None:  # flat against hybrid sharding
             links = Links(a.intra_gbps * 1e9 / 8, a.inter_gbps * 1e9 / 8, a.latency_us * 1e-6)
             lines += [""] + plan_hybrid(a.params, a.world_size, a.gpus_per_node or a.world_size,
-                                        a.shard_size or a.gpus_per_node, links, a.units, DTYPE_NAMES[a.dtype])
+                                        a.shard_size or a.gpus_per_node, links, a.units,
+                                        DTYPE_NAMES[a.dtype])
             if a.grad_accum is not None:
                 lines += [""] + plan_modes(a.params, a.world_size, a.gpus_per_node or a.world_size,
                                            a.shard_size or a.gpus_per_node, links, a.units,
@@ -93,15 +103,18 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
     if memory is not None and not (math.isfinite(memory) and memory > 0):
         raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
-    rows = [["stage", "params", "grads", "optimizer", "total/rank", "sent/step"] + (["offloaded"] if offload else [])]
+    rows = [["stage", "params", "grads", "optimizer", "total/rank",
+             "sent/step"] + (["offloaded"] if offload else [])]
     k, gathered = STATE_PER_PARAM[optimizer], {optimizer: numel} if optimizer in GATHERED else None
     for stage in range(4):
         off = offload if stage else None  # stage 0 keeps the whole state on the device
         state = lambda n: k * n // (world_size if sharded(stage)["optimizer"] else 1)  # noqa: E731
         b = model_state_bytes(numel, world_size, stage, dtype, off, state=state(numel))
-        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype, whole_numel=gathered).values())
+        sent = sum(comm_bytes_per_step(numel, world_size, stage, dtype,
+                                       whole_numel=gathered).values())
         gb = [b["params"], b["grads"], b["optimizer"], sum(b.values()), sent]
-        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off, state=state(numel)).values())] \
+        gb += [sum(offloaded_bytes(numel, world_size, stage, dtype, off,
+                                   state=state(numel)).values())] \
             if offload else []
         rows.append([str(stage)] + [f"{x / 1e9:.2f}" for x in gb])
         if memory:
@@ -111,12 +124,14 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
     if memory:
         rows[0].append("largest model that fits")
     cols = 7 if offload else 6
-    widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]  # so that numbers never run together
+    # so that numbers never run together
+    widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]
     title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute, {optimizer} "
              f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
              + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master and state in {offload} "
                 f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
-    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols], widths[1:]))
+    return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols],
+                                                                                 widths[1:]))
                       + "".join("  " + c for c in r[cols:]) for r in rows]
 
 
@@ -148,7 +163,9 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
             ring = G if kind == "hpz_gather" else S
             right = (r + S) % world_size if kind == "all_reduce" else r - r % ring + (r + 1) % ring
             (inter if right // node_size != r // node_size else intra)[r] += b
-    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size, node_size))  # noqa: E731
+    # noqa: E731
+    node = lambda per_rank: max(sum(per_rank[n:n + node_size]) for n in range(0, world_size,
+                                                                              node_size))
     return {"intra": node(intra), "inter": node(inter), "busiest": max(inter)}
 
 
@@ -167,7 +184,8 @@ def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
     replica_rings = [list(range(p, N, S)) for p in range(S)]
 
     def bandwidth(rings):
-        crosses = any(a // node_size != b // node_size for ring in rings for a, b in zip(ring, ring[1:] + ring[:1]))
+        crosses = any(a // node_size != b // node_size for ring in rings for a, b in zip(ring,
+                                                                                         ring[1:] + ring[:1]))
         return links.inter if crosses else links.intra
     # per unit and step
     calls = {"reduce_scatter": 1 if reduce_every == "step" else k, "all_reduce": 1, "hpz_gather": k,
@@ -188,7 +206,8 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
     """Lines of the flat-against-hybrid table: per stage, model state per rank, payload bytes
     per step a node's ranks send inside the node and across nodes (link_bytes_per_step,
     which the tests hold the ledger to), and the ring model's communication time."""
-    for name, n in (("--gpus-per-node", node_size), ("--shard-size", shard_size), ("--units", units)):
+    for name, n in (("--gpus-per-node", node_size), ("--shard-size", shard_size),
+                    ("--units", units)):
         if n < 1:
             raise ValueError(f"{name} must be at least 1; got {n}")
     if world_size % node_size or world_size % shard_size:
@@ -197,15 +216,18 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
     if min(links.intra, links.inter) <= 0 or links.latency < 0:
         raise ValueError("--intra-gbps and --inter-gbps must be positive, --latency-us at least 0")
     numel = -(-int(params) // world_size) * world_size
-    rows = [["stage", "sharding", "memory/rank", "inside/node", "across/node", "across/rank", "comm s/step",
+    rows = [["stage", "sharding", "memory/rank", "inside/node", "across/node", "across/rank",
+             "comm s/step",
              "(bw + latency)"]]
     for stage in range(4):
-        for name, S in (("flat", world_size), (f"hybrid {shard_size}x{world_size // shard_size}", shard_size)):
+        for name, S in (("flat", world_size),
+                        (f"hybrid {shard_size}x{world_size // shard_size}", shard_size)):
             memory = sum(model_state_bytes(numel, S, stage, dtype).values())
             link = link_bytes_per_step(numel, world_size, stage, node_size, dtype, shard_size=S)
             bw, lat = ring_seconds(numel, world_size, stage, node_size, S, links, units, dtype)
             rows.append([str(stage), name, f"{memory / 1e9:.2f}", f"{link['intra'] / 1e9:.2f}",
-                         f"{link['inter'] / 1e9:.2f}", f"{link['busiest'] / 1e9:.2f}", f"{bw + lat:.3f}",
+                         f"{link['inter'] / 1e9:.2f}", f"{link['busiest'] / 1e9:.2f}",
+                         f"{bw + lat:.3f}",
                          f"({bw:.3f} + {lat:.3f})"])
     widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     R = world_size // shard_size
@@ -216,8 +238,8 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
              f"bytes sent per step: by a node's ranks inside it and to other nodes; by its busiest rank across\n"
              f"time: ring model, {links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per GPU inside / "
              f"across nodes, {links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
-    return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1]) + "".join(c.rjust(w) for c, w in
-                                                                              zip(r[2:], widths[2:])) for r in rows]
+    return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1])
+                      + "".join(c.rjust(w) for c, w in zip(r[2:], widths[2:])) for r in rows]
 
 
 def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, grad_accum):
@@ -358,7 +380,8 @@ def consolidate_main(args):
 def check_main(argv):
     """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
     from minizero_lib import check  # (only this command needs the engine)
-    ap = argparse.ArgumentParser(prog="python minizero.py check", description=check.__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python minizero.py check",
+                                 description=check.__doc__.split("\n\n")[0])
     ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
                                  "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
@@ -367,7 +390,8 @@ def check_main(argv):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", choices=list(DTYPE_NAMES))
     ap.add_argument("--grad-accum", type=int)
-    ap.add_argument("--shard-size", type=int, help="hybrid sharding over groups of this many ranks (it must "
+    ap.add_argument("--shard-size", type=int,
+                    help="hybrid sharding over groups of this many ranks (it must "
                                                    "divide every world size)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
@@ -390,8 +414,10 @@ def check_main(argv):
         if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
             raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
         t0 = time.perf_counter()
-        report = check.check(user.make_model, user.make_batch, loss_fn=getattr(user, "loss_fn", None),
-                             world_sizes=a.world_sizes, stages=a.stages, steps=a.steps, processes=a.processes,
+        report = check.check(user.make_model, user.make_batch,
+                             loss_fn=getattr(user, "loss_fn", None),
+                             world_sizes=a.world_sizes, stages=a.stages, steps=a.steps,
+                             processes=a.processes,
                              jitter=a.jitter, device=a.device, compile=a.compile, **kw)
     except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
         print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)

@@ -9,9 +9,11 @@ import os
 
 from minizero_lib.user_model import check_modes
 
-OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "disk"}  # offload_optimizer.device -> Engine(offload=...)
-OPTIMIZER = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor", "muon": "muon"}  # optimizer.type,
-# lower-cased -> Engine(optimizer=...)
+# offload_optimizer.device -> Engine(offload=...)
+OFFLOAD = {"none": None, "cpu": "cpu", "nvme": "disk"}
+# optimizer.type, lower-cased -> Engine(optimizer=...)
+OPTIMIZER = {"adamw": "adamw", "adam": "adamw", "sgd": "sgd", "adafactor": "adafactor",
+             "muon": "muon"}
 _num = lambda v: type(v) in (int, float) and v >= 0  # noqa: E731 (bool is no number here)
 _int = lambda v: type(v) is int and v >= 1  # noqa: E731
 DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, check, what it must be)
@@ -22,23 +24,31 @@ DS_KEYS = {  # the DeepSpeed keys minizero has: dotted path -> (our option, chec
     "train_batch_size": ("global_batch", _int, "an integer >= 1"),
     "train_micro_batch_size_per_gpu": ("batch_size", _int, "an integer >= 1"),
     "gradient_clipping": ("clip", _num, "a number >= 0 (0: no clipping)"),
-    "optimizer.type": ("optimizer", lambda v: str(v).lower() in OPTIMIZER, "AdamW, Adam, SGD, Adafactor or Muon"),
+    "optimizer.type": ("optimizer", lambda v: str(v).lower() in OPTIMIZER,
+                       "AdamW, Adam, SGD, Adafactor or Muon"),
     "optimizer.params.lr": ("lr", _num, "a number >= 0"),
-    "optimizer.params.betas": ("betas", lambda v: type(v) in (list, tuple) and len(v) == 2 and all(map(_num, v)),
+    "optimizer.params.betas": ("betas",
+                               lambda v: type(v) in (list, tuple) and len(v) == 2
+                               and all(map(_num, v)),
                                "a pair of numbers"),
     "optimizer.params.eps": ("eps", _num, "a number >= 0"),
     "optimizer.params.weight_decay": ("weight_decay", _num, "a number >= 0"),
     "optimizer.params.momentum": ("momentum", _num, "a number >= 0"),
-    "zero_optimization.offload_optimizer.device": ("offload", lambda v: isinstance(v, str) and v in OFFLOAD,
+    "zero_optimization.offload_optimizer.device": ("offload",
+                                                   lambda v: isinstance(v, str) and v in OFFLOAD,
                                                    "'none', 'cpu' or 'nvme'"),
-    "zero_optimization.offload_optimizer.nvme_path": ("offload_dir", lambda v: isinstance(v, str) and v,
+    "zero_optimization.offload_optimizer.nvme_path": ("offload_dir",
+                                                      lambda v: isinstance(v, str) and v,
                                                       "a directory"),
-    "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool, "true or false"),
+    "zero_optimization.offload_optimizer.pin_memory": ("pin_memory", lambda v: type(v) is bool,
+                                                       "true or false"),
     # ZeRO++ hpZ: the secondary partition's size (1: none), Engine(reshard_after_forward=G)
     "zero_optimization.zero_hpz_partition_size": ("reshard_after_forward", _int, "an integer >= 1"),
     # ZeRO++: qwZ's int8 parameter all-gather, qgZ's int4 gradient all-to-all (quantize.py)
-    "zero_optimization.zero_quantized_weights": ("quantize_weights", lambda v: type(v) is bool, "true or false"),
-    "zero_optimization.zero_quantized_gradients": ("quantize_grads", lambda v: type(v) is bool, "true or false"),
+    "zero_optimization.zero_quantized_weights": ("quantize_weights", lambda v: type(v) is bool,
+                                                 "true or false"),
+    "zero_optimization.zero_quantized_gradients": ("quantize_grads", lambda v: type(v) is bool,
+                                                   "true or false"),
 }
 QUANTIZED = {"quantize_weights": 8, "quantize_grads": 4}  # DeepSpeed's true -> the bits ZeRO++ uses
 

@@ -53,7 +53,8 @@ class Engine:
         if native is not None:
             comm.native = native  # torch's own collectives instead of the ring (ops.py)
         check_same_model(model, comm)  # first: every later collective's size depends on it
-        self.model = model                      # the user's module; its parameters live in the units
+        # the user's module; its parameters live in the units
+        self.model = model
         self.comm = comm                        # send/recv and the byte ledger (ops.py)
         # units cut over S ranks (shards), copied N/S times (replicas): hybrid sharding
         self.shards, self.replicas = split(comm, shard_size)
@@ -131,7 +132,8 @@ class Engine:
 
     def _before_forward(self, module, args, kwargs):
         if self.buffers and torch.is_grad_enabled():  # as DDP: rank 0's running stats everywhere
-            self._submit(lambda: broadcast_buffers(self.buffers, self.comm)).wait()  # (in line with prefetches)
+            # (in line with prefetches)
+            self._submit(lambda: broadcast_buffers(self.buffers, self.comm)).wait()
         return cast_floats(args, self.dtype), cast_floats(kwargs, self.dtype)
 
     # ---- stage 3: gather a unit before it is used, release it right after, prefetch the next

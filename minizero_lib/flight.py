@@ -34,10 +34,14 @@ import torch
 
 from minizero_lib.compiled import outside_graphs
 
-SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)  # a record's fields
-KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint", "checkpoint": "checkpoint",
-              "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()", "state_dict": "state dict"}
-DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4, torch.int64: 5,
+# a record's fields
+SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)
+KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint",
+              "checkpoint": "checkpoint",
+              "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()",
+              "state_dict": "state dict"}
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
+              torch.int64: 5,
               torch.int32: 6, torch.uint8: 7, torch.bool: 8}
 _CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
 # minizero's own files: the package, and ops.py and minizero.py beside it (by path: a user's
@@ -85,11 +89,16 @@ class Flight:
         self.current = None                # the innermost record still running
         self.tag = (0, 0, 0, -1, 1, 0)     # what messages carry: the current record's identity
         self.ctx = ("", -1, 0, 0, True)    # (phase, unit, step, micro, grad) set by the engine
-        self.failed = None                 # once the world is broken: the error every collective raises
-        self.owner = threading.get_ident()  # the thread that runs the rank's code: its line is the call site
-        self.site = None                   # that line, kept once this rank has failed (its thread may end)
-        self.spans = None                  # tracing: every record and compute span, not just the last
-        self.idle = None                   # time the previous collective ended (a stalled rank's last sign)
+        # once the world is broken: the error every collective raises
+        self.failed = None
+        # the thread that runs the rank's code: its line is the call site
+        self.owner = threading.get_ident()
+        # that line, kept once this rank has failed (its thread may end)
+        self.site = None
+        # tracing: every record and compute span, not just the last
+        self.spans = None
+        # time the previous collective ended (a stalled rank's last sign)
+        self.idle = None
         self.tracer = None                 # Engine(trace=DIR)'s Tracer: told when a step is done
 
     def start(self, op, kind, t):
@@ -98,7 +107,8 @@ class Flight:
         phase, unit, step, micro, grad = self.ctx
         if kind in KIND_PHASE:  # a collective of its own, not the engine's current phase
             phase, unit, grad = KIND_PHASE[kind], -1, True
-        rec = [self.seq, op, kind, t.dtype, t.numel(), phase, unit, step, micro, grad, time.perf_counter(), None,
+        rec = [self.seq, op, kind, t.dtype, t.numel(), phase, unit, step, micro, grad,
+               time.perf_counter(), None,
                self.current]  # (OUTER: the record this one runs inside, as all_reduce's halves do)
         self.seq += 1
         self.records.append(rec)
@@ -137,7 +147,8 @@ class Flight:
     def snapshot(self):
         """Plain data for the other ranks: the records, the current one, and the call site."""
         recs = [tuple(r[:T1 + 1]) for r in list(self.records)]
-        return dict(rank=self.rank, records=[(*r[:DTYPE], str(r[DTYPE]).replace("torch.", ""), *r[NUMEL:])
+        return dict(rank=self.rank,
+                    records=[(*r[:DTYPE], str(r[DTYPE]).replace("torch.", ""), *r[NUMEL:])
                                              for r in recs],
                     current=None if self.current is None else self.current[SEQ],
                     site=self.site or call_site(self.owner),
@@ -157,7 +168,8 @@ def call_site(ident):
     while frame is not None:
         f = frame.f_code.co_filename
         if os.path.dirname(os.path.abspath(f)) != _PACKAGE and os.path.abspath(f) not in OURS and f"{os.sep}torch{os.sep}" not in f and \
-                f"{os.sep}concurrent{os.sep}" not in f and not f.endswith(("threading.py", "queue.py")):
+                f"{os.sep}concurrent{os.sep}" not in f and not f.endswith(("threading.py",
+                                                                           "queue.py")):
             line = linecache.getline(f, frame.f_lineno).strip()
             return f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
         site = site or f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}"
@@ -189,11 +201,13 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
     reached = {k: max(recs, default=-1) for k, recs in by_seq.items()}
     seqs = sorted({q for recs in by_seq.values() for q in recs})
     first = next((q for q in seqs if len({_identity(recs[q]) for recs in by_seq.values() if q in recs}) > 1), None)
-    if first is not None:  # mismatch: the odd one out at the first differing collective (of the ranks there)
+    # mismatch: the odd one out at the first differing collective (of the ranks there)
+    if first is not None:
         groups = {}
         for k in sorted(k for k in by_seq if first in by_seq[k]):
             groups.setdefault(_identity(by_seq[k][first]), []).append(k)
-        odd = min(groups.values(), key=lambda g: (len(g), not any(by_seq[k][first][GRAD] == 0 for k in g), g))
+        odd = min(groups.values(),
+                  key=lambda g: (len(g), not any(by_seq[k][first][GRAD] == 0 for k in g), g))
         culprit = odd[0]
         head = f"mismatched collectives: the ranks part at collective #{first}; rank {culprit} went its own way"
         cause = _mismatch_cause(by_seq, first, odd)
@@ -282,7 +296,8 @@ def watch(store, flight, world_size, every=0.25):
                 if store.check([FAILED]):
                     reason = store.get(FAILED).decode()
                     flight.failed = PeerFailed(f"rank {flight.rank}: the world broke: {reason}")
-                    flight.failed = diagnose(exchange_snapshots(store, flight, world_size, "fail"), world_size,
+                    flight.failed = diagnose(exchange_snapshots(store, flight, world_size, "fail"),
+                                             world_size,
                                              reason, flight.rank)
             except Exception:  # the store went with the world: nothing left to answer
                 return
@@ -330,7 +345,8 @@ class Tracer:
                 return
             self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
                                  t0, time.perf_counter(), self.t))
-            for t in self.tensors(out):  # backward of this unit starts when its outputs' gradient arrives
+            # backward of this unit starts when its outputs' gradient arrives
+            for t in self.tensors(out):
                 if t.requires_grad:
                     t.register_hook(self._backward_starts(u))
         return outside_graphs(hook)
@@ -366,17 +382,21 @@ class Tracer:
                dict(ph="M", name="thread_name", pid=r, tid=0, args=dict(name="compute")),
                dict(ph="M", name="thread_name", pid=r, tid=1, args=dict(name="collectives"))]
         for name, t0, t1, step in self.compute:
-            out.append(dict(ph="X", name=name, cat="compute", pid=r, tid=0, ts=t0 * 1e6, dur=(t1 - t0) * 1e6,
+            out.append(dict(ph="X", name=name, cat="compute", pid=r, tid=0, ts=t0 * 1e6,
+                            dur=(t1 - t0) * 1e6,
                             args=dict(step=step)))
         for rec in self.flight.spans or self.spent:
             if rec[T1] is None:
                 continue
-            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)  # whole
+            # whole
+            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)
             name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
             out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
                             dur=(rec[T1] - rec[T0]) * 1e6,
-                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT], bytes=nbytes,
-                                      dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP], micro=rec[MICRO])))
+                            args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT],
+                                      bytes=nbytes,
+                                      dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP],
+                                      micro=rec[MICRO])))
         return out
 
     def write(self):

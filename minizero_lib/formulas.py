@@ -13,7 +13,8 @@ from minizero_lib.quantize import BLOCK, packed_bytes
 from minizero_lib.stages import sharded
 
 
-def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None,
+                      offload_params=False,
                       reduce_dtype=None, state=None, reduce_every="micro_batch",
                       reshard_after_forward=True):
     """Bytes of model state resident per rank, for numel (padded) parameters: params and
@@ -38,7 +39,8 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
             "optimizer": opt}
 
 
-def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None, offload_params=False,
+def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None,
+                    offload_params=False,
                     state=None):
     """{where: bytes} of model state offloaded per rank: the optimizer's fp32 master and
     state (AdamW: 12Ψ/N, with fp32 compute too: the host keeps its own master) to "cpu"
@@ -51,7 +53,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
     return out
 
 
-def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1, reduce_dtype=None,
+def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_accum=1,
+                        reduce_dtype=None,
                         replicas=1, whole_numel=None, reduce_every="micro_batch",
                         reshard_after_forward=True, quantize_weights=None, quantize_grads=None,
                         quant_block=BLOCK):
@@ -143,7 +146,8 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
     own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
     cpu = device.type == "cpu"
     for u in units:
-        params += 0 if cpu and offload_params else _nbytes(device, u.shard if cut["params"] else u.flat)
+        params += 0 if cpu and offload_params else _nbytes(device,
+                                                           u.shard if cut["params"] else u.flat)
         grad = u.reduced if cut["grads"] else u.bucket
         grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
         if cut["grads"] and reduce_every == "step":  # the local sum, whole, to the last micro-batch
@@ -152,13 +156,15 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
         if cut["params"] and rf is not True:  # gathered (False) or the secondary shard (G)
             secondary = u.padded // (1 if rf is False else rf) * dtype.itemsize
             params += _nbytes(device, u.secondary) if u.secondary is not None else secondary
-        opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(), u.master if own else None)
+        opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(),
+                                                 u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
 def offloaded_held(units, disk, offload=None, offload_params=False):
     """Measured: {where: bytes} of the units' state kept off the device: "cpu" or "disk"."""
-    host = sum(_nbytes(torch.device("cpu"), *([u.master, *(u.state or {}).values()] if offload == "cpu" else []),
+    host = sum(_nbytes(torch.device("cpu"),
+                       *([u.master, *(u.state or {}).values()] if offload == "cpu" else []),
                        u.shard if offload_params else None) for u in units)
     return {**({"disk": disk.nbytes()} if disk else {}), **({"cpu": host} if host else {})}
 

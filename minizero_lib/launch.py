@@ -51,14 +51,19 @@ class ThreadWorld:
 
     def __init__(self, world_size, timeout, device, strict=False):
         self.world_size = world_size  # the number of rank threads
-        self.timeout = timeout        # seconds a rank waits for a message or a meeting before it stops
+        # seconds a rank waits for a message or a meeting before it stops
+        self.timeout = timeout
         self.device = device          # where every rank computes (the CPU, or one shared GPU)
-        self.queues = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}  # src -> dst
+        # src -> dst
+        self.queues = {(s, d): queue.SimpleQueue()
+                       for s in range(world_size) for d in range(world_size)}
         self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
         self.read_events = {}  # ranks -> per rank, the CUDA event after its read of every slot
         self.lock = threading.Lock()  # (ranks create meetings on first use)
-        self.failed = threading.Event()  # set once any rank failed: the others give up instead of waiting
-        self.p2p = nccl_model.Streams(self) if strict else None  # strict_p2p: NCCL's rules, not the queues
+        # set once any rank failed: the others give up instead of waiting
+        self.failed = threading.Event()
+        # strict_p2p: NCCL's rules, not the queues
+        self.p2p = nccl_model.Streams(self) if strict else None
         self.flights = [None] * world_size  # each rank's flight record, read by whoever diagnoses
 
     def broken(self, rank, reason, stall=False, latch=True):
@@ -68,9 +73,11 @@ class ThreadWorld:
         me.site = call_site(me.owner)  # (its thread may have ended by the time another rank looks)
         seq, deadline = me.seq, time.monotonic() + 0.5
         while time.monotonic() < deadline and any(f is None or f.seq < seq for f in self.flights):
-            time.sleep(0.01)  # the others get half a second to reach this collective, as processes do
+            # the others get half a second to reach this collective, as processes do
+            time.sleep(0.01)
         snaps = {f.rank: f.snapshot() for f in self.flights if f is not None}
-        error = flight.diagnose(snaps, self.world_size, reason, rank, self.timeout if stall else None)
+        error = flight.diagnose(snaps, self.world_size, reason, rank,
+                                self.timeout if stall else None)
         if latch:
             for f in self.flights:
                 if f is not None and f.failed is None:
@@ -179,7 +186,8 @@ def _thread_device(device):
     device = torch.device(device or "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device}: this torch sees no CUDA GPU; use device='cpu'")
-    return torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
+    return torch.device("cuda",
+                        torch.cuda.current_device()) if device == torch.device("cuda") else device
 
 
 @contextlib.contextmanager
@@ -207,7 +215,8 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
     world = ThreadWorld(world_size, timeout, device, strict_p2p)
     results, errors = [None] * world_size, {}
     if device.type == "cuda":
-        torch.cuda.synchronize(device)  # the caller's tensors are complete before other streams read them
+        # the caller's tensors are complete before other streams read them
+        torch.cuda.synchronize(device)
 
     def main(rank):
         try:
@@ -226,15 +235,20 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
     for t in threads:
         t.start()
     deadline = None
-    for t in threads:  # once a rank has failed, one stuck outside collectives (stalled) gets 2 s, not forever
+    # once a rank has failed, one stuck outside collectives (stalled) gets 2 s, not forever
+    for t in threads:
         while t.is_alive() and (deadline is None or time.monotonic() < deadline):
             t.join(0.05)
             if errors and deadline is None:
                 deadline = time.monotonic() + 2.0
     if world.p2p is not None and world.p2p.stuck:
         raise RuntimeError(world.p2p.stuck)
-    if errors:  # report the rank the diagnosis blames, else the one that failed first-hand, not those that gave up
-        rank = min(errors, key=lambda r: (not hasattr(errors[r], "culprit"), isinstance(errors[r], PeerFailed), r))
+    # report the rank the diagnosis blames, else the one that failed first-hand, not those that
+    # gave up
+    if errors:
+        rank = min(errors,
+                   key=lambda r: (not hasattr(errors[r], "culprit"),
+                                  isinstance(errors[r], PeerFailed), r))
         if hasattr(errors[rank], "culprit"):
             e = errors[rank]
             raise RuntimeError(f"rank {e.culprit} failed: {type(e).__name__}: {e}") from e
@@ -257,11 +271,13 @@ def init_from_env(timeout=300.0, check=None, native=True):
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and attempt != "0":
         # torchrun's store outlives its restarts (torch issue 135712): without keys of their own,
         # a restarted group reads the dead one's addresses, and gloo hangs or fails to connect
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False,
                               timeout=timedelta(seconds=timeout))
         kw = dict(store=dist.PrefixStore(f"minizero/attempt-{attempt}", store),
                   rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout), device_id=device,
+    dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout),
+                            device_id=device,
                             **kw)
     return ops.ProcessComm(timeout, device is None if check is None else check, native)
 
@@ -317,7 +333,8 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, parent,
     global _RUN_DIR
     _RUN_DIR = os.path.dirname(store_path)
     _die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C reaches us too: the launcher alone handles it
+    # a ^C reaches us too: the launcher alone handles it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         device = _rank_device(rank) if backend == "nccl" else None
         store = dist.FileStore(store_path, world_size)
@@ -352,7 +369,8 @@ def _dumps(out):
 def _terminated(signum, frame):
     """SIGTERM, how schedulers stop a job: leave run_processes through its `finally`, which
     kills every rank, and exit with the status the signal itself would have given."""
-    print(f"{os.path.basename(sys.argv[0])}: stopped by SIGTERM; killing every rank", file=sys.stderr)
+    print(f"{os.path.basename(sys.argv[0])}: stopped by SIGTERM; killing every rank",
+          file=sys.stderr)
     raise SystemExit(128 + signum)
 
 
@@ -369,12 +387,14 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Non
                          f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")
     ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
     results = ctx.Queue()
-    main = threading.current_thread() is threading.main_thread()  # the only thread that takes signals
+    # the only thread that takes signals
+    main = threading.current_thread() is threading.main_thread()
     before = signal.signal(signal.SIGTERM, _terminated) if main else None
     with tempfile.TemporaryDirectory() as tmp:
         procs = [ctx.Process(target=_process_main, daemon=True,
                              args=(r, world_size, backend, os.path.join(tmp, "store"), timeout,
-                                   check, os.getpid(), fn, args, results)) for r in range(world_size)]
+                                   check, os.getpid(), fn, args,
+                                   results)) for r in range(world_size)]
         for p in procs:
             p.start()
         out, failure = {}, None
@@ -408,10 +428,12 @@ def _wait_for_ranks(procs, results, out, grace=2.0):
                 errors[rank] = payload
         except queue.Empty:
             pass
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out and r not in errors]
+        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None,
+                                                                     0) and r not in out and r not in errors]
         if (errors or dead) and deadline is None:
             deadline = time.monotonic() + grace
-        settled = len(out) + len(errors) + len(dead) == len(procs)  # each reported, or died without a word
+        # each reported, or died without a word
+        settled = len(out) + len(errors) + len(dead) == len(procs)
         if deadline is not None and (settled or time.monotonic() > deadline):
             return _blame(procs, errors, dead)
     return None

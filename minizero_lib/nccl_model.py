@@ -58,8 +58,10 @@ class Streams:
     """Every rank's one stream of exchanges, as NCCL runs them."""
 
     def __init__(self, world):
-        self.world = world                      # the launch.ThreadWorld: its timeout, `failed`, meetings
-        self.queued = [deque() for _ in range(world.world_size)]  # each rank's exchanges, in issue order
+        # the launch.ThreadWorld: its timeout, `failed`, meetings
+        self.world = world
+        # each rank's exchanges, in issue order
+        self.queued = [deque() for _ in range(world.world_size)]
         self.finished = [False] * world.world_size  # the rank's thread has returned or raised
         self.stuck = None                       # the deadlock, in words, once found
         self.lock = threading.Condition()       # guards the three above
@@ -127,7 +129,9 @@ class Streams:
                 return "has finished" if done else "is in no point-to-point operation"
             behind = f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "") if len(q) > 1 else ""
             return f"is stuck in {q[0]}{behind}"
-        return "; ".join(f"rank {r} {state(q, done)}" for r, (q, done) in enumerate(zip(self.queued, self.finished)))
+        return "; ".join(f"rank {r} {state(q, done)}" for r, (q,
+                                                              done) in enumerate(zip(self.queued,
+                                                                                     self.finished)))
 
 
 class Exchange:
@@ -135,10 +139,13 @@ class Exchange:
 
     def __init__(self, rank, kind, send, dst, recv, src):
         self.rank, self.kind = rank, kind       # who issued it, and the collective's kind
-        self.send, self.dst = send, dst         # the tensor to send (None: no send half) and to whom
-        self.recv, self.src = recv, src         # the tensor to receive into (None: no receive half), from whom
+        # the tensor to send (None: no send half) and to whom
+        self.send, self.dst = send, dst
+        # the tensor to receive into (None: no receive half), from whom
+        self.recv, self.src = recv, src
         self.sent, self.got = send is None, recv is None  # each half done
-        self.made = [_made(t) for t in (send, recv) if t is not None and t.is_cuda]  # CUDA: the issuer's work
+        # CUDA: the issuer's work
+        self.made = [_made(t) for t in (send, recv) if t is not None and t.is_cuda]
         self.error = None                       # a mismatched collective, found when the halves met
 
     def done(self):
@@ -155,8 +162,10 @@ class Exchange:
         if not to.recv.is_cuda:
             to.recv.copy_(self.send)
             return
-        stream = torch.cuda.current_stream(to.recv.device)  # after what both issuers' streams did to
-        for e in self.made + to.made:                         # the two tensors; done before either goes on
+        # after what both issuers' streams did to
+        stream = torch.cuda.current_stream(to.recv.device)
+        # the two tensors; done before either goes on
+        for e in self.made + to.made:
             stream.wait_event(e)
         to.recv.copy_(self.send)
         stream.synchronize()

@@ -113,7 +113,8 @@ def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
     if device.type == "cpu" and (offload == "cpu" or offload_params):
         warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so it frees "
                       "nothing (the same bits, a little slower); offload='disk' is the one that frees RAM here")
-    return Place(offload or "device", "cpu" if offload_params else "device", pin_memory and device.type == "cuda",
+    return Place(offload or "device", "cpu" if offload_params else "device",
+                 pin_memory and device.type == "cuda",
                  DiskState(offload_dir, tag) if offload == "disk" else None)
 
 
@@ -122,9 +123,12 @@ class DiskState:
 
     def __init__(self, folder, tag):
         self.folder = folder                    # where the files live (the user's offload_dir)
-        self.tag = tag                          # process, engine and rank: no two engines share a file
-        self.files = {}                         # unit index -> [file descriptor, path, {key: elements}, slot]
-        self.written = set()                    # units whose other slot was written since the last commit
+        # process, engine and rank: no two engines share a file
+        self.tag = tag
+        # unit index -> [file descriptor, path, {key: elements}, slot]
+        self.files = {}
+        # units whose other slot was written since the last commit
+        self.written = set()
         self.io = ThreadPoolExecutor(1, thread_name_prefix="minizero-offload")  # reads and writes
         self.writes = []                        # writes in flight this step
         self.closer = weakref.finalize(self, _remove, self.files, self.io)  # close(), GC or exit
@@ -144,7 +148,8 @@ class DiskState:
         sizes = {k: t.numel() for k, t in state.items()}
         n = sum(sizes.values())
         path = os.path.join(self.folder, f"minizero-{self.tag}-unit{i}.offload")
-        remove_at_end(path)  # (a spawned rank that is killed runs no cleanup: its launcher removes it)
+        # (a spawned rank that is killed runs no cleanup: its launcher removes it)
+        remove_at_end(path)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.files[i] = [fd, path, sizes, 0]  # slot 0 holds the state
         try:
@@ -185,7 +190,8 @@ class DiskState:
         ahead = self.io.submit(self.read, indices[0], count) if indices else None
         for k, i in enumerate(indices):
             state = ahead.result()
-            ahead = self.io.submit(self.read, indices[k + 1], count) if k + 1 < len(indices) else None
+            ahead = self.io.submit(self.read, indices[k + 1],
+                                   count) if k + 1 < len(indices) else None
             yield i, state
 
     def write(self, i, state):
@@ -193,7 +199,8 @@ class DiskState:
         fd, path, sizes, slot = self.files[i]
         self.written.add(i)
         flat = torch.cat([state[k].reshape(-1).float().cpu() for k in sizes])
-        self.writes.append(self.io.submit(_pwrite, fd, flat, (1 - slot) * sum(sizes.values()) * F32))
+        self.writes.append(self.io.submit(_pwrite, fd, flat,
+                                          (1 - slot) * sum(sizes.values()) * F32))
 
     def finish(self):
         """Wait for the queued writes; an OSError (a full disk) comes out here, and then

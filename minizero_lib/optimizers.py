@@ -30,8 +30,10 @@ OPTIMIZERS = {  # name -> its options besides lr and weight_decay: torch.optim's
     "adamw": dict(betas=(0.9, 0.999), eps=1e-8),
     "sgd": dict(momentum=0.0, nesterov=False),
     "adafactor": dict(beta2_decay=-0.8, eps=(None, 1e-3), d=1.0),
-    "muon": dict(muon_lr=1e-3, momentum=0.95, nesterov=True, ns_steps=5, ns_coefficients=(3.4445, -4.7750, 2.0315),
-                 adjust_lr_fn=None, muon=None, betas=(0.9, 0.999), eps=1e-8),  # betas, eps: AdamW's, on the rest
+    "muon": dict(muon_lr=1e-3, momentum=0.95, nesterov=True, ns_steps=5,
+                 ns_coefficients=(3.4445, -4.7750, 2.0315),
+                 # betas, eps: AdamW's, on the rest
+                 adjust_lr_fn=None, muon=None, betas=(0.9, 0.999), eps=1e-8),
 }
 WHOLE = ("muon", "adafactor")  # the updates that read whole tensors
 MUON_EPS = 1e-7  # torch's Muon: the Frobenius norm Newton-Schulz divides by is at least this
@@ -51,7 +53,8 @@ def optimizer_options(optimizer, options):
         raise ValueError(f"{optimizer}: nesterov=True needs a momentum > 0 (torch.optim's rule)")
     if optimizer == "muon" and o["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
         raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {o['adjust_lr_fn']!r}")
-    if optimizer == "adafactor" and not (isinstance(o["eps"], (tuple, list)) and len(o["eps"]) == 2):
+    if optimizer == "adafactor" and not (isinstance(o["eps"],
+                                                    (tuple, list)) and len(o["eps"]) == 2):
         raise ValueError(f"adafactor: eps is torch's pair (eps1 or None, eps2), default (None, 1e-3); got {o['eps']!r}")
     if optimizer == "adafactor" and (o["d"] < 1 or o["beta2_decay"] > 0):
         raise ValueError(f"adafactor: d must be >= 1 and beta2_decay <= 0; got d={o['d']}, "
@@ -173,13 +176,17 @@ def runs(u, hp):
         if not u.used[p.i]:
             continue
         t, wd = u.steps[p.i], hp.weight_decay if u.decays[p.i] else 0.0
-        p, wd = p._replace(decays=((p.a, p.b),) if wd else ()), hp.weight_decay if p.rule == "adamw" else wd
+        p, wd = p._replace(decays=((p.a, p.b),
+                                   ) if wd else ()), hp.weight_decay if p.rule == "adamw" else wd
         if out and p.rule not in WHOLE and out[-1][0].rule == p.rule and out[-1][1:] == (t, wd) \
-                and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
+                and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c,
+                                                                                 _) in p.at.items()):
             q = out[-1][0]
-            decays = q.decays[:-1] + ((q.decays[-1][0], p.b),) if q.decays and p.decays and q.decays[-1][1] == p.a \
+            decays = q.decays[:-1] + ((q.decays[-1][0], p.b),
+                                      ) if q.decays and p.decays and q.decays[-1][1] == p.a \
                 else q.decays + p.decays  # (neighbours that both decay: one span)
-            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()}, decays=decays)
+            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()},
+                           decays=decays)
             out[-1] = (p, t, wd)
         else:
             out.append((p, t, wd))
@@ -201,25 +208,31 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
     offloaded = nccl_model.on_gpu(grad) and not nccl_model.on_gpu(master)
     grad = moved(grad, master.device)
     coef = None if hp.coef is None else moved(hp.coef, master.device)  # the clip coefficient too
-    scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3  # AdamW's temporaries
+    # AdamW's temporaries
+    scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3
     for p, t, wd in steps:
         s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
-        if p.rule == "adamw":  # elementwise, so on the CPU block by block: the same bits, less memory traffic
+        # elementwise, so on the CPU block by block: the same bits, less memory traffic
+        if p.rule == "adamw":
             step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
             decay = scalars(master.device, 1 - hp.lr * wd)[0]
             for lo in range(p.a, p.b, step):
                 hi, i, j = min(p.b, lo + step), lo - p.a, min(p.b, lo + step) - p.a
-                for a, b in p.decays:  # decoupled weight decay first: p·(1 - lr·wd) where it applies
+                # decoupled weight decay first: p·(1 - lr·wd) where it applies
+                for a, b in p.decays:
                     if a < hi and lo < b:
                         master[max(a, lo):min(b, hi)].mul_(decay)
                 tmp = scratch if scratch[0] is None or hi - lo == BLOCK else [x[:hi - lo] for x in scratch]
-                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j], s["v"][i:j], t,
+                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j],
+                      s["v"][i:j], t,
                       hp.lr, *o["betas"], o["eps"], out=tmp[:2])
         elif p.rule == "sgd":
-            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp.unscale, coef), s.get("momentum_buffer"), t, hp.lr,
+            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp.unscale, coef),
+                s.get("momentum_buffer"), t, hp.lr,
                 o["momentum"], o["nesterov"], wd)
     g = mean_grad(grad, hp.unscale, coef) if whole_rule else None
-    if whole_rule == "muon":  # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
+    # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
+    if whole_rule == "muon":
         dev = device or master.device  # (lerp is a fused kernel: the host's may round otherwise)
         x = torch.zeros(len(g), dtype=torch.bfloat16, device=dev)
         mine = [(p, t, wd) for p, t, wd in steps if p.rule == "muon"]
@@ -234,22 +247,26 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
         full = gather(x)  # stages 1-3: each rank sends (N-1)/N·Ψ_u bf16
         for p, t, wd in mine:
             n, w = math.prod(p.shape), p.lo - p.o  # w: where my range starts inside the parameter
-            ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"], o["ns_steps"])
+            ortho = newton_schulz(full[p.o:p.o + n].view(p.shape), o["ns_coefficients"],
+                                  o["ns_steps"])
             master[p.a:p.b].mul_(1 - o["muon_lr"] * wd)
             master[p.a:p.b].add_(moved(ortho.reshape(-1)[w + p.a:w + p.b], master.device),
                                  alpha=-muon_lr(o["muon_lr"], o["adjust_lr_fn"], p.shape))
     elif whole_rule == "adafactor":  # the whole gradient and params (before this step), fp32
         gs, ps = gather(g), gather(master)  # stages 1-3: each rank sends (N-1)/N·Ψ_u twice, fp32
-        for p, t, wd in steps:  # (offloaded: on the device, as stage 0, and the state back to the host)
+        # (offloaded: on the device, as stage 0, and the state back to the host)
+        for p, t, wd in steps:
             n, w = math.prod(p.shape), p.lo - p.o
             s = {k: state[k][c:d].to(gs.device, non_blocking=True) for k, (c, d) in p.at.items()}
-            step, size = adafactor(ps[p.o:p.o + n].view(p.shape), gs[p.o:p.o + n].view(p.shape), s, t, hp.lr,
+            step, size = adafactor(ps[p.o:p.o + n].view(p.shape), gs[p.o:p.o + n].view(p.shape), s,
+                                   t, hp.lr,
                                    o["beta2_decay"], *o["eps"], o["d"])
             for k, (c, d) in p.at.items() if gs.device != master.device else ():
                 state[k][c:d].copy_(s[k], non_blocking=True)  # (read after the event below)
             if wd:  # (master's copy to the device is done: adafactor() read its norm on the host)
                 master[p.a:p.b].mul_(1 - hp.lr * wd)
-            master[p.a:p.b].add_(moved(step.reshape(-1)[w + p.a:w + p.b], master.device), alpha=-size)
+            master[p.a:p.b].add_(moved(step.reshape(-1)[w + p.a:w + p.b], master.device),
+                                 alpha=-size)
     if whole_rule and offloaded:  # the state copied back to the host is complete before it is read
         host_wait()
 
@@ -297,7 +314,8 @@ def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
     operations in the same order as m * beta1 + g * (1 - beta1), ...); the temporaries go
     into `out` (two tensors of p's size), or new ones (None)."""
     tmp, tmp2 = out
-    b1, c1, b2, c2, bc2, e, step = scalars(p.device, beta1, 1 - beta1, beta2, 1 - beta2, math.sqrt(1 - beta2 ** t),
+    b1, c1, b2, c2, bc2, e, step = scalars(p.device, beta1, 1 - beta1, beta2, 1 - beta2,
+                                           math.sqrt(1 - beta2 ** t),
                                            eps, lr / (1 - beta1 ** t))
     m.mul_(b1).add_(torch.mul(g, c1, out=tmp))
     v.mul_(b2).add_(torch.mul(g, g, out=tmp).mul_(c2))
@@ -362,7 +380,9 @@ def muon_lr(lr, adjust_lr_fn, shape):
     """torch's Muon step size for an A x B matrix: lr·sqrt(max(1, A/B)) ("original", the
     default) or lr·0.2·sqrt(max(A, B)) ("match_rms_adamw")."""
     A, B = shape[:2]
-    return lr * (0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1, A / B)))
+    return lr * (0.2 * math.sqrt(max(A,
+                                     B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1,
+                                                                                                 A / B)))
 
 
 def adafactor(p, g, state, t, lr, beta2_decay, eps1, eps2, d):

@@ -14,7 +14,8 @@ from minizero_lib.formulas import model_state_bytes
 MiB = 2 ** 20
 STAGE_COLORS = ("#444444", "#1f77b4", "#2ca02c", "#d62728")
 FORMULAS = ("stage 0 (DDP): 16Ψ", "stage 1: 4Ψ + 12Ψ/N", "stage 2: 2Ψ + 14Ψ/N", "stage 3: 16Ψ/N")
-SPAN_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "all_gather": "#31a354", "reduce_scatter": "#de2d26"}
+SPAN_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "all_gather": "#31a354",
+               "reduce_scatter": "#de2d26"}
 
 
 def pyplot():
@@ -37,7 +38,8 @@ def memory_png(plt, path, numel, dtype, measured, worlds):
         ys = [sum(model_state_bytes(numel, n, stage, dtype).values()) / MiB for n in worlds]
         ax.plot(worlds, ys, color=STAGE_COLORS[stage], label=FORMULAS[stage])
         pts = sorted((n, b / MiB) for (s, n), b in measured.items() if s == stage)
-        ax.plot([n for n, _ in pts], [b for _, b in pts], "o", color=STAGE_COLORS[stage], markersize=6,
+        ax.plot([n for n, _ in pts], [b for _, b in pts], "o", color=STAGE_COLORS[stage],
+                markersize=6,
                 label="measured: Engine.memory()" if stage == 3 else None)
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("model state per rank (MiB)")
@@ -63,16 +65,20 @@ def timeline_png(plt, path, traces, step):
         compute, comm = 2 * (len(spans) - 1 - r) + 1, 2 * (len(spans) - 1 - r)
         rows += [compute, comm]
         labels += [f"rank {r} compute", f"rank {r} collectives"]
-        for e in sorted(ev, key=lambda e: -e["dur"]):  # enclosing spans (the root unit) first, under the rest
+        # enclosing spans (the root unit) first, under the rest
+        for e in sorted(ev, key=lambda e: -e["dur"]):
             kind = e["name"].split()[0]
             y = compute if e["cat"] == "compute" else comm
             root = e["cat"] == "compute" and e["name"].endswith(" 0")
             color = SPAN_COLORS.get(kind, "#969696")
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y - 0.4, 0.8 if not root else 0.25),
-                           facecolors=color, edgecolors="white", linewidth=0.5, alpha=0.6 if root else 1.0)
+            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)],
+                           (y - 0.4, 0.8 if not root else 0.25),
+                           facecolors=color, edgecolors="white", linewidth=0.5,
+                           alpha=0.6 if root else 1.0)
             if e["dur"] > (t1 - t0) * 0.045:
                 unit = e["name"].split()[-1] if "unit" in e["name"] else ""
-                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y + (-0.27 if root else 0), f"u{unit}" if unit else
+                ax.text((e["ts"] - t0 + e["dur"] / 2) / 1e3, y + (-0.27 if root else 0),
+                        f"u{unit}" if unit else
                         e["name"], ha="center", va="center", fontsize=6)
     ax.set_yticks(rows)
     ax.set_yticklabels(labels, fontsize=8)
@@ -80,7 +86,9 @@ def timeline_png(plt, path, traces, step):
     ax.set_xlim(0, (t1 - t0) / 1e3)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in SPAN_COLORS.values()] + \
         [plt.Rectangle((0, 0), 1, 1, color="#969696")]
-    ax.legend(handles, ["forward (unit)", "backward (unit)", "all-gather", "reduce-scatter", "other collective"],
+    ax.legend(handles,
+              ["forward (unit)", "backward (unit)", "all-gather", "reduce-scatter",
+               "other collective"],
               fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     ax.set_title(f"One stage-3 step (step {step}) per rank. u0 is the root unit (embeddings, head; thin bar), u1... "
                  f"the blocks.\nEach all-gather runs ahead of the forward or backward that needs it (prefetch); "

@@ -95,7 +95,8 @@ def layout(params, world_size, shard_group_size):
     sizes = [p.numel() for p in params]
     numel = sum(sizes)
     padded = -(-numel // world_size) * world_size
-    return Layout(list(accumulate(sizes, initial=0))[:-1], numel, padded, padded // shard_group_size)
+    return Layout(list(accumulate(sizes, initial=0))[:-1], numel, padded,
+                  padded // shard_group_size)
 
 
 def chunk(x, shard_size, rank):

@@ -80,10 +80,12 @@ class Unit:
         self.reduced_full = None                    # stage 0: the reduced gradient, whole
         self.arrived = set()                        # params whose gradient came in this micro-batch
         self.sums = torch.zeros(len(self.params), device=self.flat.device)  # ...fp32 sum of each
-        self.ready = False                          # its local gradient is complete (this micro-batch)
+        # its local gradient is complete (this micro-batch)
+        self.ready = False
         self.done = False                           # reduced in this micro-batch
         self.pending = None                         # stage 3: the gather in flight or done, or None
-        self.held = None                            # stage 3, in engine.gathered(): what is read there
+        # stage 3, in engine.gathered(): what is read there
+        self.held = None
         self.viewing = self.flat                    # the buffer the parameters are views of now
         if cut["params"]:
             # a read of a released parameter is then an error, not freed memory
@@ -119,7 +121,8 @@ class Unit:
             if secondary is not None:  # hpZ: from the secondary shard, among G ranks
                 self.pending = submit(lambda: gather_secondary(secondary, self.flat, hpz))
             elif q.weights:  # qwZ: int8 codes and their scales move instead (quantize.py)
-                self.pending = submit(lambda: quantize.gather_params(self.shard, self.flat, group, q))
+                self.pending = submit(lambda: quantize.gather_params(self.shard, self.flat, group,
+                                                                     q))
             else:
                 self.pending = submit(lambda: gather_params(self.shard, self.flat, group))
         return self.pending

@@ -59,15 +59,18 @@ def check_same_model(model, comm):
     size depends on it). Otherwise raise on every rank, naming the first difference.
     First, the model must be on the device the communicator moves tensors on."""
     device = next(model.parameters()).device
-    if device != comm.device and device.type != "meta":  # (a GPU model on CPU thread ranks would run all its backwards on one thread)
+    # (a GPU model on CPU thread ranks would run all its backwards on one thread)
+    if device != comm.device and device.type != "meta":
         raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
                          f"move it there first: model.to(comm.device)")
     entries, first = [], {}
-    for n, t in chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+    for n, t in chain(model.named_parameters(remove_duplicate=False),
+                      model.named_buffers(remove_duplicate=False)):
         tie = first.setdefault(id(t), n)
         entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
                        + (" trainable" if t.requires_grad else "") + (f" = {tie}" if tie != n else ""))
-    check_same(entries, comm, "the ranks built different models: parameter/buffer", "build the same model on "
+    check_same(entries, comm, "the ranks built different models: parameter/buffer",
+               "build the same model on "
                "every rank before Engine(...)")
 
 
@@ -80,7 +83,8 @@ def meta_owners(model, init):
     if meta and init is None:
         raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
                          f"once its unit exists (or build the model for real)")
-    frozen = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta and not t.requires_grad]
+    frozen = [n for n, t in chain(model.named_parameters(),
+                                  model.named_buffers()) if t.is_meta and not t.requires_grad]
     if frozen:
         raise ValueError(f"{frozen[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
                          f"trainable parameters real: make it real first (module.to_empty, then set it)")
@@ -100,7 +104,8 @@ def materialize(named, owners, device, init):
     Units are made one at a time, so no rank ever holds the whole model."""
     out = []
     for name, p in named:
-        q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+        q = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                         requires_grad=p.requires_grad)
         for module, key in owners[id(p)]:
             module._parameters[key] = q
         init(name, q)
@@ -139,11 +144,15 @@ def map_tensors(x, fn):
 
 
 _T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
-_METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad", "is_leaf",
-                                                "grad_fn", "ndim", "layout", "is_meta", "is_cuda", "is_cpu")} | {
+_METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad",
+                                              "is_leaf",
+                                                "grad_fn", "ndim", "layout", "is_meta", "is_cuda",
+                                                "is_cpu")} | {
     _T.data.__set__, _T.grad.__set__, _T.requires_grad.__set__} | {
-    getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size", "is_floating_point",
-                             "requires_grad_", "register_hook", "register_post_accumulate_grad_hook")}
+    getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size",
+                             "is_floating_point",
+                             "requires_grad_", "register_hook",
+                             "register_post_accumulate_grad_hook")}
 
 
 def mark_sharded(names, params):
