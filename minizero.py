@@ -20,7 +20,8 @@ from minizero_lib.check import check  # noqa: F401
 from minizero_lib.checkpoint import consolidate, read_checkpoint  # noqa: F401
 from minizero_lib.engine import Engine  # noqa: F401
 # noqa: F401
-from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes, peak_memory
+from minizero_lib.formulas import (comm_bytes_per_step, model_state_bytes, offloaded_bytes,
+                                   peak_memory)
 
 if __name__ == "__main__":  # the planner, consolidate and check
     from minizero_lib.cli import main

@@ -130,9 +130,11 @@ def load(engine, path):
     m, params, shards = _read(path)
     extra = shards[0]["extra"]
     if m.get("optimizer", "adamw") != engine.optimizer:
-        raise ValueError(f"checkpoint {path} was saved with optimizer {m.get('optimizer', 'adamw')!r}, and this "
-                         f"engine trains with {engine.optimizer!r}: its state does not carry over; build the "
-                         f"engine with optimizer={m.get('optimizer', 'adamw')!r}, or start without the checkpoint")
+        raise ValueError(f"checkpoint {path} was saved with optimizer "
+                         f"{m.get('optimizer', 'adamw')!r}, and this engine trains with "
+                         f"{engine.optimizer!r}: its state does not carry over; build the engine "
+                         f"with optimizer={m.get('optimizer', 'adamw')!r}, or start without the "
+                         "checkpoint")
     mine = {n: p for u in engine.units for n, p in zip(u.names, u.params)}
     _check_same(path, {n: list(p.shape) for n, p in mine.items()},
                 {n: v["shape"] for n, v in params.items()}, "trainable parameter")
@@ -142,9 +144,10 @@ def load(engine, path):
     for u in engine.units:
         for n, kind, keys in zip(u.names, u.rules, u.keys):
             if (params[n]["kind"], params[n]["state"]) != (kind, keys):
-                raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with state "
-                                 f"{sorted(params[n]['state'])} there, and by {kind} with {sorted(keys)} here; "
-                                 f"build the engine with the options it was saved with")
+                raise ValueError(f"checkpoint {path}: {n} was updated by {params[n]['kind']} with "
+                                 f"state {sorted(params[n]['state'])} there, and by {kind} with "
+                                 f"{sorted(keys)} here; build the engine with the options it was "
+                                 "saved with")
     r = engine.shards.rank  # (hybrid: every replica takes the same chunk)
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     write_state(engine, ((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
@@ -234,7 +237,8 @@ def write_master(engine, u, full):
 def frozen(engine):
     """{name: tensor} of the model's state that is not a trainable parameter."""
     trainable = {id(p) for u in engine.units for p in u.params}
-    return {n: t for n, t in engine.model.state_dict(keep_vars=True).items() if id(t) not in trainable}
+    return {n: t for n, t in engine.model.state_dict(keep_vars=True).items()
+            if id(t) not in trainable}
 
 
 def full_state_dict(engine):
@@ -307,14 +311,16 @@ def validate_manifest(m, mpath):
     format, one shard per rank, parameters inside their unit: else a ValueError naming the
     file and the field, before anything is read from the shards or changed in an engine."""
     def bad(what):
-        return ValueError(f"checkpoint manifest {mpath}: {what}; it is damaged or not a minizero checkpoint")
+        return ValueError(f"checkpoint manifest {mpath}: {what}; it is damaged or not a minizero "
+                          "checkpoint")
 
     def need(d, part, where):
         if not isinstance(d, dict):
             raise bad(f"{where or 'the manifest'} is {d!r}, not an object")
         for k, t in FIELDS[part].items():
             if not isinstance(d.get(k), t):
-                raise bad(f"{where}{k} is " + (f"{d[k]!r}, not {_names(t)}" if k in d else "missing"))
+                raise bad(f"{where}{k} is "
+                          + (f"{d[k]!r}, not {_names(t)}" if k in d else "missing"))
     need(m, "manifest", "")
     if m["format"] == "minizero-1":  # every parameter had taken every step
         for u in m["units"] if isinstance(m["units"], list) else []:
@@ -331,19 +337,21 @@ def validate_manifest(m, mpath):
     for i, u in enumerate(m["units"]):
         need(u, "unit", f"units[{i}].")
         if u["padded"] % n or not 0 <= u["numel"] <= u["padded"]:
-            raise bad(f"units[{i}].padded is {u['padded']}, but it must be a multiple of world_size {n} "
-                      f"and at least its numel {u['numel']}")
+            raise bad(f"units[{i}].padded is {u['padded']}, but it must be a multiple of "
+                      f"world_size {n} and at least its numel {u['numel']}")
         for j, p in enumerate(u["params"]):
             need(p, "param", f"units[{i}].params[{j}].")
             shape_ok = all(type(x) is int and x >= 0 for x in p["shape"])
-            if not shape_ok or not 0 <= p["offset"] <= p["offset"] + math.prod(p["shape"]) <= u["numel"]:
+            if not shape_ok or not (0 <= p["offset"]
+                                    <= p["offset"] + math.prod(p["shape"]) <= u["numel"]):
                 raise bad(f"units[{i}].params[{j}] ({p['name']}) has shape {p['shape']} at offset "
                           f"{p['offset']}, outside its unit of {u['numel']} elements")
             kind, keys = p.get("kind", "adamw"), p.get("state", ADAMW["state"])
             if not isinstance(kind, str) or not isinstance(keys, dict) or \
                     not all(v is None or type(v) is int and v >= 0 for v in keys.values()):
-                raise bad(f"units[{i}].params[{j}] ({p['name']}) has update {kind!r} and state {keys!r}; "
-                          f"a state is {{key: null (one value per element) or an element count}}")
+                raise bad(f"units[{i}].params[{j}] ({p['name']}) has update {kind!r} and state "
+                          f"{keys!r}; a state is {{key: null (one value per element) or an element "
+                          "count}")
 
 
 def _names(t):
@@ -376,10 +384,12 @@ def _read(path):
     for i, unit in enumerate(m["units"]):
         master = torch.cat([s["units"][i]["master"] for s in shards])
         if len(master) != unit["padded"]:
-            raise ValueError(f"checkpoint {path}: its shards hold {len(master)} values of units[{i}], "
-                             f"its manifest says {unit['padded']}; the manifest and shards are of different saves")
+            raise ValueError(f"checkpoint {path}: its shards hold {len(master)} values of "
+                             f"units[{i}], its manifest says {unit['padded']}; the manifest and "
+                             "shards are of different saves")
         ps = [dict(ADAMW, **p) for p in unit["params"]]
-        layout = [p["offset"] for p in ps], [p["shape"] for p in ps], [p["kind"] for p in ps], [p["state"] for p in ps]
+        layout = ([p["offset"] for p in ps], [p["shape"] for p in ps], [p["kind"] for p in ps],
+                  [p["state"] for p in ps])
         values, s = {}, unit["padded"] // n
         for k, shard in enumerate(shards):  # each shard's range, laid out as it was saved
             to_params(state_layout(*layout, k * s, k * s + s)[0], layout[3], shard["units"][i],

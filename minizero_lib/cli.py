@@ -1,8 +1,8 @@
 """
 The command line of `python minizero.py` (train_gpt.py has its own):
 
-    python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB] [--offload disk]
-                       [--optimizer adamw|sgd|muon|adafactor]
+    python minizero.py --params 7.5e9 --world-size 64 [--dtype bf16] [--memory 80GB]
+                       [--offload disk] [--optimizer adamw|sgd|muon|adafactor]
     python minizero.py --params 7.5e9 --world-size 1024 --gpus-per-node 8 [--shard-size 8]
                        [--intra-gbps 900 --inter-gbps 400 --latency-us 5 --units 32]
                        [--grad-accum 16]   (each mode's bytes: reduce_every, reshard_after_forward)
@@ -37,30 +37,30 @@ def main(argv):
     try:
         if argv[:1] == ["consolidate"]:
             return consolidate_main(argv[1:])
-        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, per stage")
+        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, "
+                                                 "per stage")
         ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
         ap.add_argument("--world-size", type=int, required=True)
         ap.add_argument("--dtype", choices=list(DTYPE_NAMES), default="bf16")
         ap.add_argument("--memory",
                         help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
-                                         "also print the largest model per stage")
+                             "also print the largest model per stage")
         ap.add_argument("--offload", choices=["cpu", "disk"],
-                        help="the optimizer state off the device "
-                                                                   "(stages 1-3): print what stays resident")
+                        help="the optimizer state off the device (stages 1-3): print what stays "
+                             "resident")
         ap.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
-                        help="its state per parameter beside the fp32 master: AdamW m, v; SGD (with momentum) and "
-                             "Muon a momentum; Adafactor's factored rows and columns, counted as 0")
+                        help="its state per parameter beside the fp32 master: AdamW m, v; SGD "
+                             "(with momentum) and Muon a momentum; Adafactor's factored rows and "
+                             "columns, counted as 0")
         ap.add_argument("--gpus-per-node", type=int,
-                        help="also print flat against hybrid sharding: bytes "
-                                                          "inside and across nodes, and the ring model's time")
+                        help="also print flat against hybrid sharding: bytes inside and across "
+                             "nodes, and the ring model's time")
         ap.add_argument("--shard-size", type=int,
                         help="hybrid: ranks a unit is sharded over (default: a node)")
         ap.add_argument("--intra-gbps", type=float, default=900.0,
-                        help="link inside a node, Gbit/s per GPU "
-                                                                         "and direction (default 900)")
+                        help="link inside a node, Gbit/s per GPU and direction (default 900)")
         ap.add_argument("--inter-gbps", type=float, default=400.0,
-                        help="link across nodes, Gbit/s per GPU "
-                                                                         "and direction (default 400)")
+                        help="link across nodes, Gbit/s per GPU and direction (default 400)")
         ap.add_argument("--latency-us", type=float, default=5.0,
                         help="per ring hop, microseconds (default 5)")
         ap.add_argument("--units", type=int, default=32,
@@ -97,11 +97,13 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
     """Lines of the planner's table, from the same formulas the tests hold the engine to
     (the optimizer's state: STATE_PER_PARAM fp32 elements per parameter)."""
     if not (math.isfinite(params) and params >= 1):
-        raise ValueError(f"the parameter count must be a finite number >= 1, like --params 7.5e9; got {params}")
+        raise ValueError("the parameter count must be a finite number >= 1, like --params 7.5e9; "
+                         f"got {params}")
     if world_size < 1:
         raise ValueError(f"the world size must be at least 1 rank; got {world_size}")
     if memory is not None and not (math.isfinite(memory) and memory > 0):
-        raise ValueError(f"the memory per rank must be a positive size, like --memory 80GB; got {memory:.3g} B")
+        raise ValueError("the memory per rank must be a positive size, like --memory 80GB; got "
+                         f"{memory:.3g} B")
     numel = -(-int(params) // world_size) * world_size
     rows = [["stage", "params", "grads", "optimizer", "total/rank",
              "sent/step"] + (["offloaded"] if offload else [])]
@@ -126,10 +128,12 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
     cols = 7 if offload else 6
     # so that numbers never run together
     widths = [2 + max(len(r[i]) for r in rows) for i in range(cols)]
-    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} compute, {optimizer} "
-             f"(GB = 1e9 bytes; model state only: activations and buffers come on top)"
-             + (f"\nresident per rank; 'offloaded': the optimizer's fp32 master and state in {offload} "
-                f"({'host memory' if offload == 'cpu' else 'files'}), stages 1-3" if offload else ""))
+    title = (f"{params:.3g} parameters, {world_size} ranks, {str(dtype).replace('torch.', '')} "
+             f"compute, {optimizer} (GB = 1e9 bytes; model state only: activations and buffers "
+             "come on top)"
+             + ("\nresident per rank; 'offloaded': the optimizer's fp32 master and state in "
+                f"{offload} ({'host memory' if offload == 'cpu' else 'files'}), stages 1-3"
+                if offload else ""))
     return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols],
                                                                                  widths[1:]))
                       + "".join("  " + c for c in r[cols:]) for r in rows]
@@ -184,8 +188,8 @@ def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
     replica_rings = [list(range(p, N, S)) for p in range(S)]
 
     def bandwidth(rings):
-        crosses = any(a // node_size != b // node_size for ring in rings for a, b in zip(ring,
-                                                                                         ring[1:] + ring[:1]))
+        crosses = any(a // node_size != b // node_size
+                      for ring in rings for a, b in zip(ring, ring[1:] + ring[:1]))
         return links.inter if crosses else links.intra
     # per unit and step
     calls = {"reduce_scatter": 1 if reduce_every == "step" else k, "all_reduce": 1, "hpz_gather": k,
@@ -211,8 +215,8 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
         if n < 1:
             raise ValueError(f"{name} must be at least 1; got {n}")
     if world_size % node_size or world_size % shard_size:
-        raise ValueError(f"--gpus-per-node {node_size} and --shard-size {shard_size} must divide the world "
-                         f"size {world_size}")
+        raise ValueError(f"--gpus-per-node {node_size} and --shard-size {shard_size} must divide "
+                         f"the world size {world_size}")
     if min(links.intra, links.inter) <= 0 or links.latency < 0:
         raise ValueError("--intra-gbps and --inter-gbps must be positive, --latency-us at least 0")
     numel = -(-int(params) // world_size) * world_size
@@ -233,11 +237,13 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
     R = world_size // shard_size
     title = (f"{params:.3g} parameters, {world_size // node_size} nodes x {node_size} ranks, "
              f"{str(dtype).replace('torch.', '')} (GB = 1e9 bytes; one micro-batch per step)\n"
-             f"flat: each unit sharded over all {world_size} ranks; hybrid {shard_size}x{R}: over {shard_size} "
-             f"consecutive ranks, copied {R} times\n"
-             f"bytes sent per step: by a node's ranks inside it and to other nodes; by its busiest rank across\n"
-             f"time: ring model, {links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per GPU inside / "
-             f"across nodes, {links.latency * 1e6:g} us per hop, {units} units, nothing overlapped")
+             f"flat: each unit sharded over all {world_size} ranks; hybrid {shard_size}x{R}: over "
+             f"{shard_size} consecutive ranks, copied {R} times\n"
+             "bytes sent per step: by a node's ranks inside it and to other nodes; by its busiest "
+             "rank across\n"
+             f"time: ring model, {links.intra * 8 / 1e9:g} / {links.inter * 8 / 1e9:g} Gbit/s per "
+             f"GPU inside / across nodes, {links.latency * 1e6:g} us per hop, {units} units, "
+             "nothing overlapped")
     return [title] + [r[0].ljust(widths[0]) + r[1].ljust(widths[1])
                       + "".join(c.rjust(w) for c, w in zip(r[2:], widths[2:])) for r in rows]
 
@@ -332,8 +338,8 @@ def plan_zeropp(params, world_size, node_size, links, units, dtype=torch.bfloat1
         rows.append([name, f"{rank / 1e9:.2f}", f"{node / 1e9:.2f}", f"{secs:.3f}"])
     widths = [2 + max(len(r[i]) for r in rows) for i in range(4)]
     title = (f"ZeRO++ beside ZeRO-3: {params:.3g} parameters, {world_size // node_size} nodes x "
-             f"{node_size} ranks, int8 weights and int4 gradients in blocks of {block} (+4 bytes of "
-             f"scale each); hpZ: the backward gather in the node")
+             f"{node_size} ranks, int8 weights and int4 gradients in blocks of {block} (+4 bytes "
+             "of scale each); hpZ: the backward gather in the node")
     return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:], widths[1:]))
                       for r in rows]
 
@@ -347,11 +353,13 @@ def parse_bytes(text):
     number = text.strip().rstrip("BbIiKkMmGgTt")
     unit = text.strip()[len(number):].lower() or "gb"
     if unit not in BYTES:
-        raise ValueError(f"--memory {text!r}: the unit must be one of B, KB, MB, GB, TB, KiB, MiB, GiB, TiB")
+        raise ValueError(f"--memory {text!r}: the unit must be one of B, KB, MB, GB, TB, KiB, MiB, "
+                         "GiB, TiB")
     try:
         return float(number) * BYTES[unit]
     except ValueError:
-        raise ValueError(f"--memory {text!r} is not a size; give memory per rank like 80GB, 80GiB or 80 (GB)")
+        raise ValueError(f"--memory {text!r} is not a size; give memory per rank like 80GB, 80GiB "
+                         "or 80 (GB)")
 
 
 # -----------------------------------------------------------------------------
@@ -359,13 +367,15 @@ def parse_bytes(text):
 
 
 def consolidate_main(args):
-    """python minizero.py consolidate CHECKPOINT_DIR OUT.pt: a plain state_dict, no process group."""
+    """python minizero.py consolidate CHECKPOINT_DIR OUT.pt: a plain state_dict, no process
+    group."""
     if len(args) != 2:
         raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
     path, out = args
     folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
     if os.path.isdir(out):
-        raise ValueError(f"OUT {out} is a directory; give a file name, like {os.path.join(out, 'model.pt')}")
+        raise ValueError(f"OUT {out} is a directory; give a file name, like "
+                         f"{os.path.join(out, 'model.pt')}")
     if not os.path.isdir(folder):
         raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
     state = checkpoint.consolidate(path)
@@ -383,7 +393,8 @@ def check_main(argv):
     ap = argparse.ArgumentParser(prog="python minizero.py check",
                                  description=check.__doc__.split("\n\n")[0])
     ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
-                                 "optionally loss_fn(model, batch) and an ENGINE dict of Engine options")
+                                 "optionally loss_fn(model, batch) and an ENGINE dict of Engine "
+                                 "options")
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     ap.add_argument("--world-sizes", type=ints, default=(1, 2, 3, 4))
     ap.add_argument("--stages", type=ints, default=(0, 1, 2, 3))
@@ -398,7 +409,8 @@ def check_main(argv):
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each unit's module after Engine(...), as torchtitan")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cuda: the ranks share one GPU (with --processes: one nccl process per GPU)")
+                    help="cuda: the ranks share one GPU (with --processes: one nccl process per "
+                         "GPU)")
     a = ap.parse_args(argv)
     if a.device == "cuda":  # before the user's file may start cuBLAS (check._deterministic)
         os.environ.setdefault(*check.CUBLAS)

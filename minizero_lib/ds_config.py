@@ -65,7 +65,8 @@ def parse_ds_config(ds):
     out = {}
     for path, v in flat.items():
         if path not in DS_KEYS:
-            raise ValueError(f"ds config: unknown key {path!r}; minizero reads only {sorted(DS_KEYS)}")
+            raise ValueError(f"ds config: unknown key {path!r}; minizero reads only "
+                             f"{sorted(DS_KEYS)}")
         name, ok, want = DS_KEYS[path]
         if not ok(v):
             raise ValueError(f"ds config: {path!r} must be {want}, got {v!r}")
@@ -73,7 +74,8 @@ def parse_ds_config(ds):
     if out.get("bf16") and out.get("fp16"):
         raise ValueError("ds config: 'bf16.enabled' and 'fp16.enabled' are both true; pick one")
     if "bf16" in out or "fp16" in out:  # both present and false: DeepSpeed trains in fp32
-        out["dtype"] = "bfloat16" if out.get("bf16") else "float16" if out.get("fp16") else "float32"
+        out["dtype"] = ("bfloat16" if out.get("bf16") else "float16" if out.get("fp16")
+                        else "float32")
     if "clip" in out:
         out["clip"] = out["clip"] or None  # DeepSpeed's 0 means no clipping
     if "offload" in out:  # DeepSpeed's NVMe offload is minizero's disk offload
@@ -89,28 +91,35 @@ def parse_ds_config(ds):
 
 
 def read_json(path):
-    """--config's file as a dict; a missing file or bad JSON is a ValueError naming the file and line."""
+    """--config's file as a dict; a missing file or bad JSON is a ValueError naming the file and
+    line."""
     try:
         with open(path) as f:
             ds = json.load(f)
     except OSError as e:
         raise ValueError(f"--config {path}: {e.strerror}; give the path of a DeepSpeed JSON config")
     except json.JSONDecodeError as e:
-        raise ValueError(f"--config {path} is not valid JSON: line {e.lineno}, column {e.colno}: {e.msg}")
+        raise ValueError(f"--config {path} is not valid JSON: line {e.lineno}, column {e.colno}: "
+                         f"{e.msg}")
     if not isinstance(ds, dict):
-        raise ValueError(f"--config {path} holds a JSON {type(ds).__name__}; a DeepSpeed config is an object {{...}}")
+        raise ValueError(f"--config {path} holds a JSON {type(ds).__name__}; a DeepSpeed config is "
+                         "an object {...}")
     return ds
 
 
 def check_quantized(cfg):
-    """--quantize-weights and --quantize-grads (or their DeepSpeed keys): a ValueError naming the fix."""
+    """--quantize-weights and --quantize-grads (or their DeepSpeed keys): a ValueError naming the
+    fix."""
     if cfg.get("quantize_weights") not in (None, 8):
-        raise ValueError(f"--quantize-weights must be 8 (int8 codes); got {cfg['quantize_weights']}")
+        raise ValueError("--quantize-weights must be 8 (int8 codes); got "
+                         f"{cfg['quantize_weights']}")
     if cfg.get("quantize_grads") not in (None, 8, 4):
-        raise ValueError(f"--quantize-grads must be 8 or 4 (int8 or int4 codes); got {cfg['quantize_grads']}")
+        raise ValueError("--quantize-grads must be 8 or 4 (int8 or int4 codes); got "
+                         f"{cfg['quantize_grads']}")
     if cfg.get("quantize_weights") and cfg["stage"] != 3:
-        raise ValueError(f"--quantize-weights (zero_quantized_weights) quantizes stage 3's parameter all-gather, "
-                         f"and stage {cfg['stage']} gathers none: use --stage 3, or drop it")
+        raise ValueError("--quantize-weights (zero_quantized_weights) quantizes stage 3's "
+                         f"parameter all-gather, and stage {cfg['stage']} gathers none: use "
+                         "--stage 3, or drop it")
 
 
 def grad_accum_for(c, world_size):
@@ -119,11 +128,13 @@ def grad_accum_for(c, world_size):
         return c.grad_accum
     if c.global_batch % (c.batch_size * world_size):
         raise ValueError(f"train_batch_size {c.global_batch} is not divisible by the micro batch "
-                         f"{c.batch_size} x world size {world_size}; change the batch or the number of ranks")
+                         f"{c.batch_size} x world size {world_size}; change the batch or the "
+                         "number of ranks")
     ga = c.global_batch // (c.batch_size * world_size)
     if c.grad_accum not in (1, ga):
-        raise ValueError(f"train_batch_size {c.global_batch} = {c.batch_size} x grad_accum x {world_size} "
-                         f"needs grad_accum {ga}, but gradient_accumulation_steps is {c.grad_accum}")
+        raise ValueError(f"train_batch_size {c.global_batch} = {c.batch_size} x grad_accum x "
+                         f"{world_size} needs grad_accum {ga}, but gradient_accumulation_steps is "
+                         f"{c.grad_accum}")
     return ga
 
 
@@ -134,8 +145,9 @@ def shard_size(cfg, world_size):
         return None
     s = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) if s == "node" else s
     if not str(s).isdigit() or int(s) < 1 or world_size % int(s):
-        raise ValueError(f"--shard-size {s} must be 'node' or a number of ranks that divides the world size "
-                         f"{world_size}, like {[d for d in range(1, world_size + 1) if world_size % d == 0]}")
+        raise ValueError(f"--shard-size {s} must be 'node' or a number of ranks that divides the "
+                         f"world size {world_size}, like "
+                         f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}")
     return int(s)
 
 

@@ -118,7 +118,7 @@ class Engine:
         return self.queue.submit(job, record, fly=self.micro == 0 and self.replicas.world_size == 1)
 
     def _log(self, u, what):
-        """Fold (unit, gather or reduce) into this rank's visits, compared across ranks at step()."""
+        """Fold (unit, gather or reduce) into the rank's visits, compared across ranks at step()."""
         self.visits = (self.visits * 1_000_003 + 2 * u.index + what + 1) % 2 ** 52
 
     # ---- before every forward: DDP's buffer broadcast, inputs in the compute dtype
@@ -284,7 +284,7 @@ class Engine:
         return checkpoint.full_state_dict(self)
 
     def memory(self):
-        """Bytes of model state this rank holds on its device in a step, by category (formulas.py)."""
+        """Model-state bytes this rank holds on its device in a step, by category (formulas.py)."""
         return engine_held(self)
 
     def offloaded(self):
@@ -347,9 +347,9 @@ def _register_hooks(engine):
 def _engine(ref):
     engine = ref()
     if engine is None or engine.closed:
-        raise RuntimeError(f"this model's minizero Engine is {'gone' if engine is None else 'closed'};"
-                           f" keep the engine (and do not close it) for as long as you train or "
-                           f"run the model")
+        raise RuntimeError("this model's minizero Engine is "
+                           f"{'gone' if engine is None else 'closed'}; keep the engine (and do not "
+                           "close it) for as long as you train or run the model")
     return engine
 
 

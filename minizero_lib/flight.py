@@ -141,7 +141,8 @@ class Flight:
             self.tag = _tag(self.current)
 
     def resume(self, rec):
-        """Waiting for rec, a collective in flight: it is the rank's current one again (a stall names it)."""
+        """Waiting for rec, a collective in flight: it is the rank's current one again (a stall
+        names it)."""
         rec[OUTER], self.current, self.tag = self.current, rec, _tag(rec)
 
     def snapshot(self):
@@ -156,7 +157,8 @@ class Flight:
 
 
 def _tag(rec):
-    """A record's identity, as messages carry it: (sequence number, kind, phase, unit, grad mode, size)."""
+    """A record's identity, as messages carry it: (sequence number, kind, phase, unit, grad mode,
+    size)."""
     return rec[SEQ], code(rec[KIND]), code(rec[PHASE]), rec[UNIT], int(rec[GRAD]), rec[NUMEL]
 
 
@@ -167,9 +169,9 @@ def call_site(ident):
     site = None
     while frame is not None:
         f = frame.f_code.co_filename
-        if os.path.dirname(os.path.abspath(f)) != _PACKAGE and os.path.abspath(f) not in OURS and f"{os.sep}torch{os.sep}" not in f and \
-                f"{os.sep}concurrent{os.sep}" not in f and not f.endswith(("threading.py",
-                                                                           "queue.py")):
+        if os.path.dirname(os.path.abspath(f)) != _PACKAGE and os.path.abspath(f) not in OURS and \
+                f"{os.sep}torch{os.sep}" not in f and f"{os.sep}concurrent{os.sep}" not in f and \
+                not f.endswith(("threading.py", "queue.py")):
             line = linecache.getline(f, frame.f_lineno).strip()
             return f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
         site = site or f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}"
@@ -186,7 +188,8 @@ def describe(r):
     what = op if kind == op else f"{op} ({kind})"
     where = ", ".join(x for x in (f"unit {unit}" if unit >= 0 else "",
                                    phase + ("" if grad else " (no grad)") if phase else "") if x)
-    return f"#{seq} {what} of {numel:,} {dtype}" + (f", {where}" if where else "") + f", step {step} micro {micro}"
+    return (f"#{seq} {what} of {numel:,} {dtype}" + (f", {where}" if where else "")
+            + f", step {step} micro {micro}")
 
 
 def _identity(r):
@@ -200,7 +203,8 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
     by_seq = {s["rank"]: {r[SEQ]: r for r in s["records"]} for s in snaps.values()}
     reached = {k: max(recs, default=-1) for k, recs in by_seq.items()}
     seqs = sorted({q for recs in by_seq.values() for q in recs})
-    first = next((q for q in seqs if len({_identity(recs[q]) for recs in by_seq.values() if q in recs}) > 1), None)
+    first = next((q for q in seqs
+                  if len({_identity(recs[q]) for recs in by_seq.values() if q in recs}) > 1), None)
     # mismatch: the odd one out at the first differing collective (of the ranks there)
     if first is not None:
         groups = {}
@@ -209,7 +213,8 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
         odd = min(groups.values(),
                   key=lambda g: (len(g), not any(by_seq[k][first][GRAD] == 0 for k in g), g))
         culprit = odd[0]
-        head = f"mismatched collectives: the ranks part at collective #{first}; rank {culprit} went its own way"
+        head = (f"mismatched collectives: the ranks part at collective #{first}; rank {culprit} "
+                "went its own way")
         cause = _mismatch_cause(by_seq, first, odd)
     else:  # every collective agrees: someone is behind (never arrived) or gone
         missing = [k for k in range(world_size) if k not in snaps]
@@ -223,16 +228,18 @@ def diagnose(snaps, world_size, reason, me, timeout=None):
             head = f"rank {culprit} never arrived at collective #{reached[culprit] + 1}{waited}"
         else:  # (messages outside any collective)
             head, culprit = "", me
-        cause = ("likely cause: a rank that never arrived: it is stuck or slow outside minizero (a data loader, "
-                 "I/O, a breakpoint, a print to a full pipe) or skipped a collective the others ran (one step or "
-                 "micro-batch fewer); every rank must run the same steps, micro-batches and forwards")
+        cause = ("likely cause: a rank that never arrived: it is stuck or slow outside minizero (a "
+                 "data loader, I/O, a breakpoint, a print to a full pipe) or skipped a collective "
+                 "the others ran (one step or micro-batch fewer); every rank must run the same "
+                 "steps, micro-batches and forwards")
     lines = [f"{head} ({reason})" if head else reason]
     lines += [_where(k, snaps.get(k), by_seq.get(k), first) for k in range(world_size)] + [cause]
     return (CollectiveStall if first is None else CollectiveMismatch)("\n".join(lines), culprit)
 
 
 def _where(k, snap, recs, first):
-    """Rank k's line: its collective (the first differing one, else its current one) and call site."""
+    """Rank k's line: its collective (the first differing one, else its current one) and call
+    site."""
     if snap is None:
         return f"  rank {k}: no record (gone)"
     at = recs.get(first) or recs.get(snap["current"])
@@ -250,18 +257,21 @@ def _mismatch_cause(by_seq, first, odd):
     mine = by_seq[odd[0]][first]
     other = next(by_seq[k][first] for k in by_seq if k not in odd and first in by_seq[k])
     ranks = "rank " + ", ".join(map(str, odd)) if len(odd) < 3 else f"ranks {odd}"
-    if mine[PHASE] == "forward gather" and (not mine[GRAD] and other[GRAD] or other[PHASE] != "forward gather"):
-        return (f"likely cause: {ranks} ran a forward the others did not (at stage 3 every forward all-gathers "
-                f"each unit, so every rank must run it): evaluation on one rank (`if rank == 0: model(x)`) or a "
-                f"forward whose backward never came; run it on every rank (each on its own batch), or evaluate a "
-                f"copy made from engine.full_state_dict()")
+    if mine[PHASE] == "forward gather" and (not mine[GRAD] and other[GRAD]
+                                            or other[PHASE] != "forward gather"):
+        return (f"likely cause: {ranks} ran a forward the others did not (at stage 3 every forward "
+                "all-gathers each unit, so every rank must run it): evaluation on one rank "
+                "(`if rank == 0: model(x)`) or a forward whose backward never came; run it on "
+                "every rank (each on its own batch), or evaluate a copy made from "
+                "engine.full_state_dict()")
     if mine[PHASE] != other[PHASE] or mine[UNIT] != other[UNIT]:
-        return (f"likely cause: the ranks' code took different paths ({ranks}: {mine[PHASE] or mine[KIND]} of unit "
-                f"{mine[UNIT]}, the others: {other[PHASE] or other[KIND]} of unit {other[UNIT]}): a branch, a skipped "
-                f"step or micro-batch, or a module only some ranks run (an MoE expert: at stage 3 it must share a "
-                f"unit with modules every rank runs, units=[...], or use stage 0-2)")
-    return ("likely cause: the ranks called different collectives or sizes: every rank must call the same "
-            "collectives, on the same sizes, in the same order")
+        return (f"likely cause: the ranks' code took different paths ({ranks}: "
+                f"{mine[PHASE] or mine[KIND]} of unit {mine[UNIT]}, the others: "
+                f"{other[PHASE] or other[KIND]} of unit {other[UNIT]}): a branch, a skipped step "
+                "or micro-batch, or a module only some ranks run (an MoE expert: at stage 3 it "
+                "must share a unit with modules every rank runs, units=[...], or use stage 0-2)")
+    return ("likely cause: the ranks called different collectives or sizes: every rank must call "
+            "the same collectives, on the same sizes, in the same order")
 
 
 # -----------------------------------------------------------------------------
@@ -343,7 +353,8 @@ class Tracer:
             t0 = self.open.pop(f"forward unit {u.index}", None)
             if t0 is None:
                 return
-            self.compute.append((f"forward unit {u.index}" + ("" if torch.is_grad_enabled() else " (no grad)"),
+            self.compute.append((f"forward unit {u.index}"
+                                 + ("" if torch.is_grad_enabled() else " (no grad)"),
                                  t0, time.perf_counter(), self.t))
             # backward of this unit starts when its outputs' gradient arrives
             for t in self.tensors(out):
@@ -389,7 +400,8 @@ class Tracer:
             if rec[T1] is None:
                 continue
             # whole
-            nbytes = rec[NUMEL] * rec[DTYPE].itemsize * (self.world_size if rec[OP] == "all_gather" else 1)
+            nbytes = (rec[NUMEL] * rec[DTYPE].itemsize
+                      * (self.world_size if rec[OP] == "all_gather" else 1))
             name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
             out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
                             dur=(rec[T1] - rec[T0]) * 1e6,

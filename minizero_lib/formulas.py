@@ -35,7 +35,8 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
     rf = reshard_after_forward  # (stage 3's: every unit gathered, or the secondary shard)
     kept = 0 if rf is True else d * numel if rf is False else d * numel // rf
     return {"params": (0 if offload_params else d) * numel // cut["params"] + kept,
-            "grads": g * numel // cut["grads"] + (r * numel if step and sharded(stage)["grads"] else 0),
+            "grads": (g * numel // cut["grads"]
+                      + (r * numel if step and sharded(stage)["grads"] else 0)),
             "optimizer": opt}
 
 
@@ -47,7 +48,8 @@ def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None
     or "disk", and with offload_params the 16-bit shard to "cpu"."""
     out = {}
     if offload:
-        out[offload] = 4 * numel // world_size + 4 * (2 * numel // world_size if state is None else state)
+        out[offload] = (4 * numel // world_size
+                        + 4 * (2 * numel // world_size if state is None else state))
     if offload_params:
         out["cpu"] = out.get("cpu", 0) + torch.finfo(dtype).bits // 8 * numel // world_size
     return out
@@ -171,7 +173,8 @@ def offloaded_held(units, disk, offload=None, offload_params=False):
 
 def _nbytes(device, *ts):
     """Bytes of those of ts (None skipped) that live on device (Engine.memory and .offloaded)."""
-    return sum(t.numel() * t.element_size() for t in ts if t is not None and t.device.type == device.type)
+    return sum(t.numel() * t.element_size() for t in ts
+               if t is not None and t.device.type == device.type)
 
 
 def peak_memory(device):

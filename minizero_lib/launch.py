@@ -81,7 +81,8 @@ class ThreadWorld:
         if latch:
             for f in self.flights:
                 if f is not None and f.failed is None:
-                    f.failed = PeerFailed(f"rank {f.rank}: the world broke at another rank (see its error)")
+                    f.failed = PeerFailed(f"rank {f.rank}: the world broke at another rank (see "
+                                          "its error)")
             self.abort_meetings()
         raise error
 
@@ -252,7 +253,8 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
         if hasattr(errors[rank], "culprit"):
             e = errors[rank]
             raise RuntimeError(f"rank {e.culprit} failed: {type(e).__name__}: {e}") from e
-        raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: {errors[rank]}") from errors[rank]
+        raise RuntimeError(f"rank {rank} failed: {type(errors[rank]).__name__}: "
+                           f"{errors[rank]}") from errors[rank]
     return results
 
 
@@ -287,9 +289,11 @@ def _rank_device(local_rank):
     needs it); also given to init_process_group as device_id, which starts NCCL at once."""
     count = torch.cuda.device_count()
     if not 0 <= local_rank < count:
-        raise ValueError(f"LOCAL_RANK is {local_rank} but this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
-                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most {count} processes per "
-                         f"node (torchrun --nproc_per_node={count}), one GPU each")
+        raise ValueError(f"LOCAL_RANK is {local_rank} but this process sees {count} GPU(s) "
+                         "(CUDA_VISIBLE_DEVICES="
+                         f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); start at most "
+                         f"{count} processes per node (torchrun --nproc_per_node={count}), one GPU "
+                         "each")
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return device
@@ -383,8 +387,9 @@ def run_processes(fn, world_size, *args, backend="gloo", timeout=60.0, check=Non
     _check_world_size(world_size)
     check = backend != "nccl" if check is None else check
     if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, this machine "
-                         f"has {torch.cuda.device_count()}; use fewer ranks, or backend='gloo'")
+        raise ValueError(f"nccl takes one GPU per rank: world size {world_size} needs that many, "
+                         f"this machine has {torch.cuda.device_count()}; use fewer ranks, or "
+                         "backend='gloo'")
     ctx = mp.get_context("spawn")  # fork hangs once the parent has used torch's threads
     results = ctx.Queue()
     # the only thread that takes signals
@@ -428,8 +433,8 @@ def _wait_for_ranks(procs, results, out, grace=2.0):
                 errors[rank] = payload
         except queue.Empty:
             pass
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None,
-                                                                     0) and r not in out and r not in errors]
+        dead = [r for r, p in enumerate(procs)
+                if p.exitcode not in (None, 0) and r not in out and r not in errors]
         if (errors or dead) and deadline is None:
             deadline = time.monotonic() + grace
         # each reported, or died without a word
@@ -452,7 +457,8 @@ def _blame(procs, errors, dead):
     diagnosed = ("CollectiveMismatch:", "CollectiveStall:")
     own = [r for r in sorted(errors) if not errors[r].startswith(("PeerFailed:", *diagnosed))]
     if not own and any(e.startswith(diagnosed) for e in errors.values()):
-        message, culprit = next(e for _, e in sorted(errors.items()) if e.startswith(diagnosed)).rsplit("\n", 1)
+        message, culprit = next(e for _, e in sorted(errors.items())
+                                if e.startswith(diagnosed)).rsplit("\n", 1)
         return f"rank {culprit} failed: {message}"  # (_process_main appends the rank it blames)
     r = own[0] if own else min(errors)
     return f"rank {r} failed: {errors[r]}"

@@ -71,8 +71,9 @@ class Streams:
         x = Exchange(rank, kind, send, dst, recv, src)
         for t in (x.send, x.recv):  # (a host tensor, say a shard offloaded to the host)
             if t is not None and t.device != self.world.device:
-                raise ValueError(f"rank {x.rank}: {x} has a tensor on {t.device}, but the ranks work on "
-                                 f"{self.world.device}; NCCL moves only tensors on the rank's GPU: move it there first")
+                raise ValueError(f"rank {x.rank}: {x} has a tensor on {t.device}, but the ranks "
+                                 f"work on {self.world.device}; NCCL moves only tensors on the "
+                                 "rank's GPU: move it there first")
         with self.lock:
             self.queued[x.rank].append(x)
             self._progress()
@@ -119,7 +120,8 @@ class Streams:
                     moved = True
         if self.stuck is None and not self.world.failed.is_set() and any(self.queued) \
                 and all(q or done for q, done in zip(self.queued, self.finished)):
-            self.stuck = f"point-to-point deadlock under NCCL's rules (strict_p2p=True): {self._heads()}"
+            self.stuck = ("point-to-point deadlock under NCCL's rules (strict_p2p=True): "
+                          f"{self._heads()}")
             self.world.abort_meetings()
         self.lock.notify_all()
 
@@ -127,11 +129,11 @@ class Streams:
         def state(q, done):
             if not q:
                 return "has finished" if done else "is in no point-to-point operation"
-            behind = f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "") if len(q) > 1 else ""
+            behind = (f", ahead of {q[1]}" + (f" and {len(q) - 2} more" if len(q) > 2 else "")
+                      if len(q) > 1 else "")
             return f"is stuck in {q[0]}{behind}"
-        return "; ".join(f"rank {r} {state(q, done)}" for r, (q,
-                                                              done) in enumerate(zip(self.queued,
-                                                                                     self.finished)))
+        return "; ".join(f"rank {r} {state(q, done)}"
+                         for r, (q, done) in enumerate(zip(self.queued, self.finished)))
 
 
 class Exchange:

@@ -2,13 +2,13 @@
 Disk offload of the optimizer state (ZeRO-Infinity's NVMe offload, on any file system).
 
 Each unit's fp32 master and optimizer state (AdamW's m and v, SGD's or Muon's momentum, ...)
-for this rank's shard live in a file of their own,
-named by process, engine, rank and unit (`*.offload`, never a checkpoint's name). A file
-has two slots, one of them current. A step streams each unit's state in from the current slot (the next unit's
-read runs on an I/O thread while this one is updated), and writes the updated state to
-the other slot. Only when every rank has written every unit do the slots swap and the
-parameters move, so a write that fails (a full disk) leaves the model as it was. Resident
-memory is a few units' state at a time, never the whole optimizer.
+for this rank's shard live in a file of their own, named by process, engine, rank and unit
+(`*.offload`, never a checkpoint's name). A file has two slots, one of them current. A step
+streams each unit's state in from the current slot (the next unit's read runs on an I/O thread
+while this one is updated), and writes the updated state to the other slot. Only when every
+rank has written every unit do the slots swap and the parameters move, so a write that fails
+(a full disk) leaves the model as it was. Resident memory is a few units' state at a time,
+never the whole optimizer.
 
 Files are preallocated at construction (a disk too small fails there, not mid-run) and
 read and written with pread/pwrite, not mapped, so the page cache is never counted as
@@ -33,12 +33,14 @@ F32 = 4  # bytes per element of master and the state
 
 
 def check_offload(stage, offload, offload_dir, offload_params):
-    """Engine(offload=..., offload_dir=..., offload_params=...) that cannot work: a ValueError naming the fix."""
+    """Engine(offload=..., offload_dir=..., offload_params=...) that cannot work: a ValueError
+    naming the fix."""
     if offload not in (None, "cpu", "disk"):
         raise ValueError(f"offload must be None, 'cpu' or 'disk'; got {offload!r}")
     if (offload or offload_params) and stage == 0:
-        raise ValueError("offload moves this rank's shard of the optimizer state off the device; stage 0 "
-                         "(DDP) keeps the whole state on every rank: use stage 1-3 with offload")
+        raise ValueError("offload moves this rank's shard of the optimizer state off the device; "
+                         "stage 0 (DDP) keeps the whole state on every rank: use stage 1-3 with "
+                         "offload")
     if offload_params and stage != 3:
         raise ValueError("offload_params moves stage 3's parameter shard to the host; use stage 3")
     if offload == "disk" and not offload_dir:
@@ -111,8 +113,9 @@ def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
     CPU run, offload to "cpu" frees nothing: say so once, and run the host path anyway
     (separate copies, the same arithmetic as on a GPU: so it is tested on CPUs)."""
     if device.type == "cpu" and (offload == "cpu" or offload_params):
-        warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so it frees "
-                      "nothing (the same bits, a little slower); offload='disk' is the one that frees RAM here")
+        warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so "
+                      "it frees nothing (the same bits, a little slower); offload='disk' is the "
+                      "one that frees RAM here")
     return Place(offload or "device", "cpu" if offload_params else "device",
                  pin_memory and device.type == "cuda",
                  DiskState(offload_dir, tag) if offload == "disk" else None)
@@ -139,8 +142,8 @@ class DiskState:
                 pass
             os.remove(probe)
         except OSError as e:
-            raise ValueError(f"offload_dir {folder} cannot be written ({e}); give a directory on a disk "
-                             f"with room for the optimizer state") from None
+            raise ValueError(f"offload_dir {folder} cannot be written ({e}); give a directory on a "
+                             "disk with room for the optimizer state") from None
 
     def add(self, i, state):
         """Unit i's file: two slots of its {"master", key...}; slot 0 holds master and the
@@ -253,9 +256,9 @@ def disk_update(units, disk, group, device, hp, comm, t):
             u.drop_grads()
         failed = [k for k, x in enumerate(done.tolist()) if not x]
         raise RuntimeError(f"step {t + 1} not taken: rank(s) {failed} could not write the "
-                           f"offloaded optimizer state to {disk.folder} ({error or 'see that rank'}); "
-                           f"params, moments and step counts are as they were. Free space there "
-                           f"and train on")
+                           f"offloaded optimizer state to {disk.folder} "
+                           f"({error or 'see that rank'}); params, moments and step counts are as "
+                           "they were. Free space there and train on")
     disk.commit()
     for i, state in disk.stream(range(len(units)), count=1):
         share_params(state["master"], group, units[i].flat, units[i].shard)

@@ -43,19 +43,22 @@ def optimizer_options(optimizer, options):
     """The optimizer's options: torch.optim's defaults with `options` over them. An unknown
     optimizer or option raises, listing the choices."""
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}; got {optimizer!r}")
+        raise ValueError(f"optimizer must be one of {', '.join(map(repr, OPTIMIZERS))}; got "
+                         f"{optimizer!r}")
     unknown = sorted(set(options) - set(OPTIMIZERS[optimizer]))
     if unknown:
-        raise ValueError(f"optimizer {optimizer!r} has no option {unknown[0]!r}; its options are lr, "
-                         f"weight_decay, {', '.join(OPTIMIZERS[optimizer])}")
+        raise ValueError(f"optimizer {optimizer!r} has no option {unknown[0]!r}; its options are "
+                         f"lr, weight_decay, {', '.join(OPTIMIZERS[optimizer])}")
     o = {**OPTIMIZERS[optimizer], **options}
     if optimizer in ("sgd", "muon") and o["nesterov"] and not o["momentum"]:
         raise ValueError(f"{optimizer}: nesterov=True needs a momentum > 0 (torch.optim's rule)")
     if optimizer == "muon" and o["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
-        raise ValueError(f"muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got {o['adjust_lr_fn']!r}")
+        raise ValueError("muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw'; got "
+                         f"{o['adjust_lr_fn']!r}")
     if optimizer == "adafactor" and not (isinstance(o["eps"],
                                                     (tuple, list)) and len(o["eps"]) == 2):
-        raise ValueError(f"adafactor: eps is torch's pair (eps1 or None, eps2), default (None, 1e-3); got {o['eps']!r}")
+        raise ValueError("adafactor: eps is torch's pair (eps1 or None, eps2), default (None, "
+                         f"1e-3); got {o['eps']!r}")
     if optimizer == "adafactor" and (o["d"] < 1 or o["beta2_decay"] > 0):
         raise ValueError(f"adafactor: d must be >= 1 and beta2_decay <= 0; got d={o['d']}, "
                          f"beta2_decay={o['beta2_decay']}")
@@ -70,12 +73,13 @@ def choose_rules(model, optimizer, options):
         return lambda n, p: optimizer
     linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
     embedding = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    pick = options["muon"] or (lambda n, p: id(p) in linear and id(p) not in embedding and p.dim() == 2)
+    pick = options["muon"] or (lambda n, p: id(p) in linear and id(p) not in embedding
+                               and p.dim() == 2)
 
     def rule(n, p):
         if pick(n, p) and p.dim() != 2:
-            raise ValueError(f"muon= selects {n} of shape {tuple(p.shape)}, but Muon updates 2-D matrices only; "
-                             f"leave it to AdamW (muon=fn returning False for it)")
+            raise ValueError(f"muon= selects {n} of shape {tuple(p.shape)}, but Muon updates 2-D "
+                             "matrices only; leave it to AdamW (muon=fn returning False for it)")
         return "muon" if pick(n, p) else "adamw"
     return rule
 
@@ -112,7 +116,8 @@ def state_layout(offsets, shapes, rules, keys, lo, hi):
     the whole range, padding too (AdamW's m and v are master's twins); one only some have
     holds just theirs, back to back (Muon's momentum; the AdamW moments of the rest); a
     whole-tensor key holds the whole state of each parameter in the range (Adafactor's)."""
-    full = set.intersection(*({k for k, w in ks.items() if w is None} for ks in keys)) if keys else set()
+    full = (set.intersection(*({k for k, w in ks.items() if w is None} for ks in keys))
+            if keys else set())
     sizes = {k: (hi - lo if k in full else 0) for ks in keys for k in ks}
     pieces = []
     for i, (o, shape, rule, ks) in enumerate(zip(offsets, shapes, rules, keys)):
@@ -132,9 +137,9 @@ def state_layout(offsets, shapes, rules, keys, lo, hi):
 
 
 # the formulas' part (stages.py): the planner's fp32 state elements per parameter beside the master
-# (AdamW's m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it keep
-# 2: Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here), and the
-# bytes per element a whole-tensor update all-gathers (update)
+# (AdamW's m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it
+# keep 2: Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here),
+# and the bytes per element a whole-tensor update all-gathers (update)
 STATE_PER_PARAM = {"adamw": 2, "sgd": 1, "muon": 1, "adafactor": 0}
 GATHERED = {"muon": 2, "adafactor": 8}
 
@@ -179,8 +184,8 @@ def runs(u, hp):
         p, wd = p._replace(decays=((p.a, p.b),
                                    ) if wd else ()), hp.weight_decay if p.rule == "adamw" else wd
         if out and p.rule not in WHOLE and out[-1][0].rule == p.rule and out[-1][1:] == (t, wd) \
-                and out[-1][0].b == p.a and all(out[-1][0].at[k][1] == c for k, (c,
-                                                                                 _) in p.at.items()):
+                and out[-1][0].b == p.a \
+                and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
             q = out[-1][0]
             decays = q.decays[:-1] + ((q.decays[-1][0], p.b),
                                       ) if q.decays and p.decays and q.decays[-1][1] == p.a \
@@ -222,7 +227,8 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
                 for a, b in p.decays:
                     if a < hi and lo < b:
                         master[max(a, lo):min(b, hi)].mul_(decay)
-                tmp = scratch if scratch[0] is None or hi - lo == BLOCK else [x[:hi - lo] for x in scratch]
+                tmp = (scratch if scratch[0] is None or hi - lo == BLOCK
+                       else [x[:hi - lo] for x in scratch])
                 adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j],
                       s["v"][i:j], t,
                       hp.lr, *o["betas"], o["eps"], out=tmp[:2])
@@ -380,9 +386,8 @@ def muon_lr(lr, adjust_lr_fn, shape):
     """torch's Muon step size for an A x B matrix: lr·sqrt(max(1, A/B)) ("original", the
     default) or lr·0.2·sqrt(max(A, B)) ("match_rms_adamw")."""
     A, B = shape[:2]
-    return lr * (0.2 * math.sqrt(max(A,
-                                     B)) if adjust_lr_fn == "match_rms_adamw" else math.sqrt(max(1,
-                                                                                                 A / B)))
+    return lr * (0.2 * math.sqrt(max(A, B)) if adjust_lr_fn == "match_rms_adamw"
+                 else math.sqrt(max(1, A / B)))
 
 
 def adafactor(p, g, state, t, lr, beta2_decay, eps1, eps2, d):

@@ -13,18 +13,20 @@ from minizero_lib.formulas import model_state_bytes
 
 MiB = 2 ** 20
 STAGE_COLORS = ("#444444", "#1f77b4", "#2ca02c", "#d62728")
-FORMULAS = ("stage 0 (DDP): 16Ψ", "stage 1: 4Ψ + 12Ψ/N", "stage 2: 2Ψ + 14Ψ/N", "stage 3: 16Ψ/N")
+FORMULAS = ("stage 0 (DDP): 16Ψ", "stage 1: 4Ψ + 12Ψ/N", "stage 2: 2Ψ + 14Ψ/N",
+            "stage 3: 16Ψ/N")
 SPAN_COLORS = {"forward": "#9ecae1", "backward": "#fdae6b", "all_gather": "#31a354",
                "reduce_scatter": "#de2d26"}
 
 
 def pyplot():
-    """matplotlib's pyplot drawing to files, or None after one line on stderr saying how to get it."""
+    """matplotlib's pyplot drawing to files, or None after one line on stderr saying how to get
+    it."""
     try:
         import matplotlib
     except ImportError:
-        print('python -m bench --plot needs matplotlib, an optional extra: pip install -e ".[plot]" '
-              '(or pip install matplotlib)', file=sys.stderr)
+        print('python -m bench --plot needs matplotlib, an optional extra: pip install -e '
+              '".[plot]" (or pip install matplotlib)', file=sys.stderr)
         return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -43,7 +45,8 @@ def memory_png(plt, path, numel, dtype, measured, worlds):
                 label="measured: Engine.memory()" if stage == 3 else None)
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel("model state per rank (MiB)")
-    ax.set_title(f"Model state per rank: Ψ = {numel / 1e6:.2f}M parameters, {str(dtype)[6:]} compute + fp32 AdamW",
+    ax.set_title(f"Model state per rank: Ψ = {numel / 1e6:.2f}M parameters, {str(dtype)[6:]} "
+                 "compute + fp32 AdamW",
                  fontsize=10)
     ax.set_xticks(worlds)
     ax.set_ylim(bottom=0)
@@ -56,7 +59,8 @@ def memory_png(plt, path, numel, dtype, measured, worlds):
 
 def timeline_png(plt, path, traces, step):
     """traces: each rank's Chrome trace events; draws that step (its spans' args.step)."""
-    spans = [[e for e in ev if e.get("ph") == "X" and e["args"].get("step") == step] for ev in traces]
+    spans = [[e for e in ev if e.get("ph") == "X" and e["args"].get("step") == step]
+             for ev in traces]
     t0 = min(e["ts"] for ev in spans for e in ev)
     t1 = max(e["ts"] + e["dur"] for ev in spans for e in ev)
     fig, ax = plt.subplots(figsize=(10, 1.2 + 1.1 * len(traces)), dpi=110)
@@ -90,9 +94,10 @@ def timeline_png(plt, path, traces, step):
               ["forward (unit)", "backward (unit)", "all-gather", "reduce-scatter",
                "other collective"],
               fontsize=7, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-    ax.set_title(f"One stage-3 step (step {step}) per rank. u0 is the root unit (embeddings, head; thin bar), u1... "
-                 f"the blocks.\nEach all-gather runs ahead of the forward or backward that needs it (prefetch); "
-                 f"each reduce-scatter runs behind backward.", fontsize=8, pad=24)
+    ax.set_title(f"One stage-3 step (step {step}) per rank. u0 is the root unit (embeddings, head; "
+                 "thin bar), u1... the blocks.\nEach all-gather runs ahead of the forward or "
+                 "backward that needs it (prefetch); each reduce-scatter runs behind backward.",
+                 fontsize=8, pad=24)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

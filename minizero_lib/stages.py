@@ -48,7 +48,8 @@ def group_params(model, units, sharded_params=False):
     index = {}
     for i, m in enumerate(units):
         if id(m) in index:
-            raise ValueError(f"units lists the module {type(m).__name__} twice; list each unit once")
+            raise ValueError(f"units lists the module {type(m).__name__} twice; list each unit "
+                             "once")
         index[id(m)] = i
     groups, first, cross, seen = [[] for _ in units], {}, [], set()
 
@@ -76,9 +77,9 @@ def group_params(model, units, sharded_params=False):
     if strangers:
         raise ValueError(f"units lists modules that are not part of the model: {strangers}")
     if cross and sharded_params:
-        raise ValueError(f"{cross[0][0]} and {cross[0][1]} are one parameter tied across two units; "
-                         f"stage 3 gathers one unit at a time, so put both modules in one unit "
-                         f"(units=...) or use stage 0-2")
+        raise ValueError(f"{cross[0][0]} and {cross[0][1]} are one parameter tied across two "
+                         "units; stage 3 gathers one unit at a time, so put both modules in one "
+                         "unit (units=...) or use stage 0-2")
     return groups
 
 

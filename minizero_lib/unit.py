@@ -73,7 +73,7 @@ class Unit:
         # "step": to the step's last micro-batch's)
         self.bucket = None if cut["grads"] else torch.zeros_like(self.flat, dtype=self.bucket_dtype)
         self.summing = False                        # the bucket holds earlier micro-batches' sum
-        self.secondary = None                       # hpZ: my Ψ_u/G of the unit, forward to backward
+        self.secondary = None                       # hpZ: my Ψ_u/G of the unit, kept for backward
         # the reduced gradient shard, summed over micro-batches: made by a step's first
         # reduction, freed after its update
         self.reduced = None
@@ -183,9 +183,9 @@ class Unit:
         is in cache (NaN or inf anywhere makes it so). True once every parameter's is in."""
         if self.done:
             raise RuntimeError(f"{self.names[i]} got a gradient after its unit was reduced in this "
-                               f"backward: a module used in two reentrant activation-checkpoint "
-                               f"regions does this; use checkpoint(..., use_reentrant=False) (torch "
-                               f"DDP needs that too)")
+                               "backward: a module used in two reentrant activation-checkpoint "
+                               "regions does this; use checkpoint(..., use_reentrant=False) (torch "
+                               "DDP needs that too)")
         o = self.offsets[i]
         dst = self.local_bucket()[o:o + grad.numel()]
         # add: a second reentrant region's part, or (reduce_every="step") to the earlier

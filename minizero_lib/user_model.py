@@ -18,11 +18,13 @@ def check_engine_args(model, stage, dtype, grad_accum):
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got {dtype}")
+        raise ValueError("dtype must be torch.float32, torch.bfloat16 or torch.float16; got "
+                         f"{dtype}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
+        raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to "
+                         "train")
     devices = {str(t.device) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
     if len(devices) > 1:
         raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
@@ -61,14 +63,15 @@ def check_same_model(model, comm):
     device = next(model.parameters()).device
     # (a GPU model on CPU thread ranks would run all its backwards on one thread)
     if device != comm.device and device.type != "meta":
-        raise ValueError(f"the model is on {device}, but this rank's communicator works on {comm.device}; "
-                         f"move it there first: model.to(comm.device)")
+        raise ValueError(f"the model is on {device}, but this rank's communicator works on "
+                         f"{comm.device}; move it there first: model.to(comm.device)")
     entries, first = [], {}
     for n, t in chain(model.named_parameters(remove_duplicate=False),
                       model.named_buffers(remove_duplicate=False)):
         tie = first.setdefault(id(t), n)
         entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-                       + (" trainable" if t.requires_grad else "") + (f" = {tie}" if tie != n else ""))
+                       + (" trainable" if t.requires_grad else "")
+                       + (f" = {tie}" if tie != n else ""))
     check_same(entries, comm, "the ranks built different models: parameter/buffer",
                "build the same model on "
                "every rank before Engine(...)")
@@ -81,13 +84,14 @@ def meta_owners(model, init):
     trainable parameters are made real (by init); anything else on meta is an error."""
     meta = [n for n, p in model.named_parameters() if p.is_meta]  # built under torch.device("meta")
     if meta and init is None:
-        raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling a parameter "
-                         f"once its unit exists (or build the model for real)")
+        raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling "
+                         "a parameter once its unit exists (or build the model for real)")
     frozen = [n for n, t in chain(model.named_parameters(),
                                   model.named_buffers()) if t.is_meta and not t.requires_grad]
     if frozen:
-        raise ValueError(f"{frozen[0]} (frozen, or a buffer) is on the meta device; the engine makes only "
-                         f"trainable parameters real: make it real first (module.to_empty, then set it)")
+        raise ValueError(f"{frozen[0]} (frozen, or a buffer) is on the meta device; the engine "
+                         "makes only trainable parameters real: make it real first "
+                         "(module.to_empty, then set it)")
     if not meta:
         return None
     owners = {}
@@ -174,9 +178,10 @@ class ShardedParameter(nn.Parameter):
             for a in tensors((args, kwargs)):
                 if isinstance(a, ShardedParameter) and a.zero_released:
                     raise RuntimeError(
-                        f"{a.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered now: "
-                        f"read parameters inside `with engine.gathered():` (every rank enters it), or take "
-                        f"engine.full_state_dict() (a collective); the engine must still be alive")
+                        f"{a.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered "
+                        "now: read parameters inside `with engine.gathered():` (every rank enters "
+                        "it), or take engine.full_state_dict() (a collective); the engine must "
+                        "still be alive")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
