@@ -72,24 +72,8 @@ def wait():
 
 def _train(comm, stage, kw, steps, phase, keep=None):
     """test_host_reads' loop (a small GPT, the phases marked); -> keep(engine) before it closes."""
-    from minizero import Engine
-    from train_gpt import GPT, GPTConfig
-    model = GPT(GPTConfig(2, 2, 16, 8, 256, True), torch.Generator().manual_seed(0)).to(comm.device)
-    eng = Engine(model, comm, stage, lr=1e-2, **kw)
-    g = torch.Generator().manual_seed(comm.rank)
-    for _ in range(steps):
-        for _ in range(eng.grad_accum):
-            x = torch.randint(0, 256, (2, 9), generator=g).to(comm.device)
-            phase.now = "forward"
-            _, loss = model(x[:, :-1].contiguous(), x[:, 1:].contiguous())
-            phase.now = "backward"
-            eng.backward(loss)
-        phase.now = "step"
-        eng.step()
-        phase.now = "other"
-    out = keep(eng) if keep else None
-    eng.close()
-    return out
+    from test_host_reads import train
+    return train(comm, stage, kw, steps, phase, keep)
 
 
 def syncs():

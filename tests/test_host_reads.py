@@ -81,7 +81,8 @@ def recorded():
         torch.cuda.Stream.synchronize, torch.cuda.Event.synchronize = syncs[1], syncs[2]
 
 
-def train(comm, stage, kw, steps, phase):
+def train(comm, stage, kw, steps, phase, keep=None):
+    """A small GPT's loop with its phases marked; -> keep(engine) before it closes."""
     torch.set_num_threads(1)
     model = GPT(GPTConfig(2, 2, 16, 8, 256, True), torch.Generator().manual_seed(0)).to(comm.device)
     eng = Engine(model, comm, stage, lr=1e-2, **kw)
@@ -96,7 +97,9 @@ def train(comm, stage, kw, steps, phase):
         phase.now = "step"
         eng.step()
         phase.now = "other"
+    out = keep(eng) if keep else None
     eng.close()
+    return out
 
 
 CASES = {"fp32": {}, "bf16, accumulation, clipping": dict(dtype=torch.bfloat16, grad_accum=2, clip=0.5),
