@@ -76,6 +76,7 @@ class Engine:
         self.in_backward = False                # a forward now is a recomputation in backward
         self.writing = False                    # inside gathered(writable=True): loading is fine
         self.closed = False                     # close() was called: the hooks refuse
+        self.saving = None                      # the background save not yet agreed on (writer.py)
         self.queue = CommQueue(comm, overlap)   # where collectives run: thread, in flight, inline
         self.next = 0                           # the next unit, in self.order, to reduce
         self.visits = 0                         # a hash of the units this rank gathered and reduced

@@ -18,7 +18,6 @@ import json
 import os
 import threading
 import time
-import weakref
 
 import torch
 
@@ -26,7 +25,6 @@ from minizero_lib import checkpoint
 from minizero_lib.checkpoint import _remove, frozen, manifest, my_state, piece
 from ops import PeerFailed, all_gather, broadcast
 
-IN_FLIGHT = weakref.WeakKeyDictionary()  # engine -> its background save (a Write) not yet agreed on
 
 
 def save(engine, path, meta=None, background=False):
@@ -53,13 +51,13 @@ def save(engine, path, meta=None, background=False):
         return agree(engine, w)
     w.thread = threading.Thread(target=w.run, name=f"checkpoint {path}", daemon=True)
     w.thread.start()
-    IN_FLIGHT[engine] = w
+    engine.saving = w
 
 
 def wait(engine):
     """Collective where a background save is in flight (every rank calls it): wait until it
     is committed; if it failed, raise on every rank, naming it, with its files removed."""
-    w = IN_FLIGHT.pop(engine, None)
+    w, engine.saving = engine.saving, None
     if w is not None:
         w.written.wait()
         agree(engine, w)
