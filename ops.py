@@ -374,10 +374,11 @@ class Group:
         self.world_size = len(self.ranks)        # the number of ranks in the group's ring
         self.sent, self.sent_to, self.device = comm.sent, comm.sent_to, comm.device  # comm's
 
-    # The whole world's choices (Engine(native=...) sets native there) and its record.
+    # comm's choices (Engine(native=...) sets them there), record, and waits in flight.
     native = property(lambda self: self.comm.native)
     headers = property(lambda self: self.comm.headers)
     flight = property(lambda self: self.comm.flight)
+    flying = property(lambda g: g.comm.flying, lambda g, waits: setattr(g.comm, "flying", waits))
 
     def book(self, kind, dst, nbytes):
         self.comm.book(kind, self.ranks[dst], nbytes)
@@ -427,7 +428,6 @@ def in_flight(comm):
     inputs until the Pending this yields is waited (how the engine overlaps them with backward,
     as DDP and FSDP2 do). Ring collectives still finish inside: a hop waits for the one before."""
     waits = comm.flying = []
-
     # In the order they started; a second wait() finds nothing left.
     def wait():
         while waits:

@@ -114,12 +114,11 @@ def gather_params(shard, flat, group, quant):
     message = quantize(shard.to(flat.device), bits, quant.block)
     # Dequantizing reads the bytes: torch's all-gather, which the engine may start in flight
     # (ops.in_flight), finishes here.
-    comm = getattr(group, "comm", group)
-    flying, comm.flying = comm.flying, None
+    flying, group.flying = group.flying, None
     try:
         every = all_gather(message, group, kind="all_gather")
     finally:
-        comm.flying = flying
+        group.flying = flying
     for r, message in enumerate(every.view(group.world_size, -1)):
         chunk(flat, n, r).copy_(dequantize(message, bits, quant.block, n))
     return flat
