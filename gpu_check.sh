@@ -15,7 +15,8 @@
 #  host_reads   tests/test_host_reads.py on CUDA (every blocking copy and synchronize seen)
 #  probes       set_sync_debug_mode("warn") counts per phase; offload's bits against stage 0
 #               for every optimizer, is_pinned, host bytes against the formula; stage 3's
-#               memory against the formula and one step's GPU idle fraction (torch.profiler)
+#               memory against the formula, one step's GPU idle fraction (torch.profiler)
+#               and the trace's spans of a step (timed by events on the streams)
 #  stage0/3     torchrun, 1 process: train_gpt.py --preset gpt2 --steps 30 on NCCL: tok/s,
 #               MFU, peak max_memory_allocated vs the formula
 # With 2+ GPUs, also (beyond the 8 minutes): N ranks, N = min(4, GPUs) processes:

@@ -114,6 +114,7 @@ class Flight:
         self.records.append(rec)
         if self.spans is not None:
             self.spans.append(rec)
+            self.tracer.mark(rec, T0)
         self.current = rec
         self.tag = _tag(rec)
         return rec
@@ -136,6 +137,8 @@ class Flight:
         this rank goes on outside it until its wait, which resumes it and ends it."""
         if done:
             rec[T1] = self.idle = time.perf_counter()
+            if self.spans is not None:
+                self.tracer.mark(rec, T1)
         self.current, rec[OUTER] = rec[OUTER], None  # (no chain of finished records)
         if self.current is not None:
             self.tag = _tag(self.current)
@@ -322,7 +325,11 @@ def watch(store, flight, world_size, every=0.25):
 class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
     flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps.
-    Its module hooks run outside torch.compile's graphs, as the engine's (compiled.py)."""
+    Its module hooks run outside torch.compile's graphs, as the engine's (compiled.py).
+
+    On a GPU a hook runs when its work is queued, not when the GPU runs it: there each time is
+    an event recorded on the calling thread's stream (the comm thread's for its collectives),
+    read back as seconds at the end of the step, after one synchronize (traced steps only)."""
 
     def __init__(self, path, comm, units, tensors, steps=3):
         self.path = path            # the directory of the trace files
@@ -334,6 +341,10 @@ class Tracer:
         self.compute = []           # (name, start, end, step) of unit forwards and backwards
         self.open = {}              # span name -> start, for spans still running
         self.spent = []             # the collectives of the traced steps, once tracing stops
+        self.gpu = bool(units) and units[0].flat.is_cuda  # time the GPU's work, not launches
+        self.marks = {}             # GPU: (record's seq, T0 or T1) -> its time (an event, then s)
+        # GPU: (host seconds, event) of one moment: an event's time is its distance from it
+        self.origin = self._origin() if self.gpu else None
         self.flight.spans, self.flight.tracer = [], self
         os.makedirs(path, exist_ok=True)
         for u in units:
@@ -342,10 +353,36 @@ class Tracer:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(self._grad(u))
 
+    def _origin(self):
+        """(host seconds, an event) of one moment: the GPU idle, an event runs when recorded."""
+        torch.cuda.synchronize()
+        event = self.now()
+        return time.perf_counter(), event
+
+    def now(self):
+        """This moment: the host's clock, or on a GPU an event queued on this thread's stream."""
+        if not self.gpu:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, t):
+        """A time of now() as host seconds (a GPU's event once it has run)."""
+        if not self.gpu or isinstance(t, float):
+            return t
+        host, event = self.origin
+        return host + event.elapsed_time(t) / 1e3
+
+    def mark(self, rec, i):
+        """A collective's record starts (i=T0) or ends (T1): on a GPU, when its stream is there."""
+        if self.gpu:
+            self.marks[rec[SEQ], i] = self.now()
+
     def _begin(self, u):
         def hook(module, args):
             if self.flight.spans is not None:
-                self.open[f"forward unit {u.index}"] = time.perf_counter()
+                self.open[f"forward unit {u.index}"] = self.now()
         return outside_graphs(hook)
 
     def _end(self, u):
@@ -355,7 +392,7 @@ class Tracer:
                 return
             self.compute.append((f"forward unit {u.index}"
                                  + ("" if torch.is_grad_enabled() else " (no grad)"),
-                                 t0, time.perf_counter(), self.t))
+                                 t0, self.now(), self.t))
             # backward of this unit starts when its outputs' gradient arrives
             for t in self.tensors(out):
                 if t.requires_grad:
@@ -364,13 +401,14 @@ class Tracer:
 
     def _backward_starts(self, u):
         def hook(grad):
-            self.open.setdefault(f"backward unit {u.index}", time.perf_counter())
+            if f"backward unit {u.index}" not in self.open:
+                self.open[f"backward unit {u.index}"] = self.now()
         return hook
 
     def _grad(self, u):
         def hook(p):
             if f"backward unit {u.index}" in self.open:
-                self.open[f"last grad {u.index}"] = time.perf_counter()
+                self.open[f"last grad {u.index}"] = self.now()
         return hook
 
     def step(self, t):
@@ -379,8 +417,13 @@ class Tracer:
             return
         for name in [k for k in self.open if k.startswith("backward")]:
             i = name.split()[-1]
-            end = self.open.pop(f"last grad {i}", time.perf_counter())
+            end = self.open.pop(f"last grad {i}", None) or self.now()
             self.compute.append((name, self.open.pop(name), end, t - 1))
+        if self.gpu:
+            # the step's events have all run once the GPU is idle: read them as seconds
+            torch.cuda.synchronize()
+            self.compute = [(n, self.seconds(a), self.seconds(b), s) for n, a, b, s in self.compute]
+            self.marks = {k: self.seconds(v) for k, v in list(self.marks.items())}
         self.t = t
         self.write()
         if t >= self.steps:
@@ -399,12 +442,14 @@ class Tracer:
         for rec in self.flight.spans or self.spent:
             if rec[T1] is None:
                 continue
+            # a GPU's times where they were marked, else the host's
+            t0, t1 = (self.marks.get((rec[SEQ], i), rec[i]) for i in (T0, T1))
             # whole
             nbytes = (rec[NUMEL] * rec[DTYPE].itemsize
                       * (self.world_size if rec[OP] == "all_gather" else 1))
             name = f"{rec[KIND]}" + (f" unit {rec[UNIT]}" if rec[UNIT] >= 0 else "")
-            out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=rec[T0] * 1e6,
-                            dur=(rec[T1] - rec[T0]) * 1e6,
+            out.append(dict(ph="X", name=name, cat="collective", pid=r, tid=1, ts=t0 * 1e6,
+                            dur=(t1 - t0) * 1e6,
                             args=dict(op=rec[OP], kind=rec[KIND], phase=rec[PHASE], unit=rec[UNIT],
                                       bytes=nbytes,
                                       dtype=str(rec[DTYPE]), seq=rec[SEQ], step=rec[STEP],
@@ -415,4 +460,3 @@ class Tracer:
         self.spent = self.flight.spans
         with open(os.path.join(self.path, f"rank{self.flight.rank}.json"), "w") as f:
             json.dump(dict(traceEvents=self.events(), displayTimeUnit="ms"), f)
-

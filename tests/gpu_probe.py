@@ -136,15 +136,20 @@ def offload():
 
 
 def profile():
-    """Stage 3 on one GPU (one rank): memory() against the formula, and one step under
-    torch.profiler: the fraction of the step's wall time the GPU ran no kernel."""
+    """Stage 3 on one GPU (one rank): memory() against the formula, one step under
+    torch.profiler: the fraction of the step's wall time the GPU ran no kernel; and the trace
+    of the first three steps (Engine(trace=...)): its spans, timed by events on the streams."""
+    import json
+    import tempfile
     from minizero import Engine
     from train_gpt import GPT, GPTConfig
     model = GPT(GPTConfig(12, 12, 768, 256, 256, True), torch.Generator().manual_seed(0)).to(CUDA)
     from minizero_lib import launch
 
+    trace = tempfile.mkdtemp()
+
     def run(comm):
-        eng = Engine(model, comm, 3, lr=1e-3, dtype=torch.bfloat16)
+        eng = Engine(model, comm, 3, lr=1e-3, dtype=torch.bfloat16, trace=trace)
         x = torch.randint(0, 256, (8, 257), device=CUDA)
 
         def step():
@@ -169,9 +174,14 @@ def profile():
         held, formula = eng.memory(), eng.formula()
         return sum(held.values()), sum(formula.values()), 1 - busy / 1e6 / wall, wall
     held, formula, idle, wall = launch.run_threads(run, 1, device="cuda")[0]
+    with open(os.path.join(trace, "rank0.json")) as f:
+        spans = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X" and e["args"]["step"] == 2]
+    ms = {cat: sum(e["dur"] for e in spans if e["cat"] == cat) / 1e3 for cat in ("compute", "collective")}
     print(f"probe profile: stage 3 model state {held / 2**20:.1f} MiB vs formula "
-          f"{formula / 2**20:.1f} MiB; one step {1000 * wall:.1f} ms, GPU idle {100 * idle:.0f}%")
-    return 0 if held == formula else 1
+          f"{formula / 2**20:.1f} MiB; one step {1000 * wall:.1f} ms, GPU idle {100 * idle:.0f}%; "
+          f"trace of step 2: compute {ms['compute']:.1f} ms, collectives {ms['collective']:.1f} ms "
+          f"in {len(spans)} spans")
+    return 0 if held == formula and spans and all(e["dur"] >= 0 for e in spans) else 1
 
 
 def _csan():

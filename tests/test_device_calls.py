@@ -375,3 +375,59 @@ def test_disk_offload_makes_its_state_on_the_host(monkeypatch):
     place = offload.Place("disk", disk=SimpleNamespace(add=lambda i, state: added.append(state)))
     assert place.optimizer_state(0, torch.empty(8, device="meta"), torch.bfloat16, {"m": 8, "v": 8}) == (None, None)
     assert {k: t.device.type for k, t in added[0].items()} == {"master": "cpu", "m": "cpu", "v": "cpu"}
+
+
+# -----------------------------------------------------------------------------
+# 6. the trace times the GPU's work, not its launches
+
+class TimedEvent(FakeEvent):
+    """A timing event of a fake GPU that runs far behind the host: each event recorded runs a
+    second after the one recorded before it, and has run only once the host synchronized."""
+    recorded = []  # every event recorded, in order
+
+    def __init__(self, enable_timing=False, **kw):
+        super().__init__()
+        self.timing = enable_timing  # elapsed_time() needs Event(enable_timing=True)
+        self.gpu = self.ran = None   # the second it runs at; whether it has run
+
+    def record(self, stream=None):
+        super().record(stream)
+        self.recorded.append(self)
+        self.gpu, self.ran = len(self.recorded), False
+
+    def elapsed_time(self, end):
+        assert self.timing and end.timing, "an event made without enable_timing=True"
+        assert self.ran and end.ran, "elapsed_time() of an event the GPU has not run: CUDA raises"
+        return (end.gpu - self.gpu) * 1e3
+
+
+def test_the_trace_times_the_gpus_work_not_its_launches(monkeypatch, fake_streams, tmp_path):
+    """On a GPU a hook runs when its work is queued, so the host's clock there times launches:
+    each time in the trace is an event on the calling thread's stream, read as seconds after
+    one synchronize per traced step. On a fake GPU whose events run a second apart, every
+    span of the trace (compute and collectives) starts and ends on a whole second."""
+    import json
+    from test_flight import traced
+    Recorder(monkeypatch)  # (pinned memory on a CPU build)
+    monkeypatch.setattr(optimizers, "pinned_like", lambda t: torch.empty(t.shape, dtype=t.dtype))
+    TimedEvent.recorded = []
+    syncs = []
+
+    def synchronize(device=None):
+        syncs.append(threading.current_thread().name)
+        for e in TimedEvent.recorded:
+            e.ran = True
+    monkeypatch.setattr(torch.cuda, "Event", TimedEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    launch.run_threads(traced, 2, str(tmp_path))
+    events = json.loads((tmp_path / "rank0.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"compute", "collective"} and len(spans) > 20
+    origin = min(e["ts"] for e in spans)
+    off = [e for e in spans if abs((e["ts"] - origin) / 1e6 - round((e["ts"] - origin) / 1e6)) > 1e-3
+           or abs(e["dur"] / 1e6 - round(e["dur"] / 1e6)) > 1e-3]
+    assert off == [], f"{len(off)} of {len(spans)} spans timed on the host, e.g. {off[:2]}"
+    assert all(e["dur"] >= 0 for e in spans)
+    # one synchronize per rank at the start and per traced step, none more (3 steps of 4)
+    assert len(syncs) == 2 * (1 + 3), syncs
+
