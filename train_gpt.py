@@ -24,10 +24,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minizero_lib import checkpoint, compiled, launch
 import minizero
-from minizero_lib import resume
 import ops
+from minizero_lib import checkpoint, compiled, launch, resume
 from minizero_lib.ds_config import (check_mesh, check_quantized, grad_accum_for, parse_ds_config,
                                     read_json, reshard_arg, shard_size)
 
@@ -163,8 +162,7 @@ def stdlib_corpus(max_bytes=3_000_000):
         paths += [os.path.relpath(os.path.join(d, f), root) for f in files if f.endswith(".py")]
     out, n = [], 0
     for p in sorted(paths):
-        with open(os.path.join(root, p), "rb") as f:
-            out.append(f.read())
+        out.append(Path(root, p).read_bytes())
         n += len(out[-1])
         if n >= max_bytes:
             break
@@ -340,6 +338,20 @@ def mfu(n_params, c, tok_s, world_size):
     return flops / peak
 
 
+def train_step(model, engine, batches, device):
+    """One step over this rank's micro-batches -> their mean loss. To a GPU the batches go from
+    pinned memory, queued; the loss is read once, after the step (each read drains the GPU)."""
+    loss_sum = 0.0
+    for x, y in batches:
+        if device.type == "cuda":
+            x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
+        _, loss = model(x, y)
+        engine.backward(loss)
+        loss_sum += loss.detach().double()
+    engine.step()
+    return float(loss_sum) / engine.grad_accum
+
+
 def train(comm, cfg):
     """Train on this rank; every rank runs this. Returns the loss curves and the run's stats."""
     c = SimpleNamespace(**{**DEFAULTS, **(cfg if isinstance(cfg, dict) else vars(cfg))})
@@ -349,6 +361,7 @@ def train(comm, cfg):
     c.grad_accum, c.save_interval = grad_accum_for(c, N), c.save_interval or c.eval_interval
     tokens_per_step = c.batch_size * c.block_size * c.grad_accum * N  # over all ranks
     cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # to time the GPU's work, not its queue
     dtype = DTYPES[c.dtype or ("bfloat16" if cuda else "float32")]
     log = print if rank == 0 else (lambda *a, **k: None)
 
@@ -377,12 +390,7 @@ def train(comm, cfg):
         log(f"  offloaded per rank to {where:5s}: {fmt_bytes(n):>12} measured, "
             f"{fmt_bytes(engine.formula(offloaded=True)[where]):>12} formula (the optimizer's fp32 master and state)")
 
-    start = 0
-    if path:  # at any world size and stage: the engine re-cuts the saved vectors
-        start = engine.load_checkpoint(path)["step"]
-        log(f"resumed from {path} at step {start}")
-    elif c.resume:
-        log(f"no complete checkpoint in {c.out_dir}: starting fresh")
+    start = resume.load(engine, path, c, log)  # the step to go on from (0: a fresh start)
     # every rank evaluates the same fixed val batches, so their val losses agree
     vgen = torch.Generator().manual_seed(c.seed)
     val_batches = [get_batch(data["val"], c.batch_size, c.block_size, vgen) for _ in range(c.eval_iters)]
@@ -410,21 +418,13 @@ def train(comm, cfg):
         if c.optimizer == "muon":  # Muon's lr on the same schedule
             engine.options["muon_lr"] = get_lr(step, c, c.muon_lr, c.min_lr / c.lr * c.muon_lr if c.lr else 0.0)
         sent_before, to_before = dict(comm.sent), dict(comm.sent_to)
-        if cuda:
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        loss_sum = 0.0
-        for x, y in resume.step_batches(data["train"], c, step, rank, N):
-            # (to a GPU: from pinned memory, queued)
-            _, loss = model(*(t.pin_memory().to(device, non_blocking=True) if cuda else t for t in (x, y)))
-            engine.backward(loss)
-            loss_sum += loss.detach().double()  # read once, after the step (a read here stalls the GPU)
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
+        loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device)
+        sync()
         times.append(time.perf_counter() - t0)
-        train_curve.append((step, float(loss_sum) / c.grad_accum))
-        resume.record(c, rank, step=step, loss=train_curve[-1][1])
+        train_curve.append((step, loss))
+        resume.record(c, rank, step=step, loss=loss)
         if comm_step is None:  # what one step sends, beside DESIGN.md's formula
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
             expect = engine.formula(sent=True)

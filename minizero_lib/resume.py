@@ -85,6 +85,18 @@ def resume_from(cfg, world_size):
     return found[0] if found else None
 
 
+def load(engine, path, c, log):
+    """The step a run starts at: resume_from's checkpoint loaded (at any world size and stage:
+    the engine re-cuts the saved vectors) and its step, or 0 without one."""
+    if path:
+        step = engine.load_checkpoint(path)["step"]
+        log(f"resumed from {path} at step {step}")
+        return step
+    if c.resume:
+        log(f"no complete checkpoint in {c.out_dir}: starting fresh")
+    return 0
+
+
 def step_batches(split, c, step, rank, world_size):
     """This rank's grad_accum micro-batches (x, y) of a step: its rows of the step's global
     batch of random windows of split, drawn from the seed and the step alone, so that a run

@@ -431,3 +431,40 @@ def test_the_trace_times_the_gpus_work_not_its_launches(monkeypatch, fake_stream
     # one synchronize per rank at the start and per traced step, none more (3 steps of 4)
     assert len(syncs) == 2 * (1 + 3), syncs
 
+
+def _demo_steps(comm, steps, phase):
+    """The demo's train_step on a small GPT as if its device were a GPU (the model stays on
+    the host), with the phases marked: forward, backward, the step, and after it."""
+    import train_gpt
+    torch.set_num_threads(1)
+    model = train_gpt.GPT(train_gpt.GPTConfig(2, 2, 16, 8, 256, True), torch.Generator().manual_seed(0))
+    engine = Engine(model, comm, 3, lr=1e-2, grad_accum=3)
+    model.register_forward_pre_hook(lambda m, a: setattr(phase, "now", "forward"))
+    backward, step = engine.backward, engine.step
+    engine.backward = lambda loss: (setattr(phase, "now", "backward"), backward(loss))[1]
+    engine.step = lambda: (setattr(phase, "now", "step"), step(), setattr(phase, "now", "after"))[1]
+    g = torch.Generator().manual_seed(comm.rank)
+    batches = [[(x[:, :-1], x[:, 1:]) for x in torch.randint(0, 256, (3, 2, 9), generator=g)]
+               for _ in range(steps)]
+    losses = [train_gpt.train_step(model, engine, b, torch.device("cuda")) for b in batches]
+    engine.close()
+    return losses
+
+
+def test_the_demo_sends_batches_pinned_and_reads_the_loss_once_per_step(monkeypatch):
+    """train_gpt.train_step: to a GPU each micro-batch goes from pinned memory, not blocking
+    (a pageable copy is staged by CUDA at once); the loss is summed on the device and read
+    once, after the step: a read per micro-batch (loss.item()) would drain the GPU's queue in
+    every micro-batch, and the step's time, so the MFU, would count the host's waits."""
+    from test_host_reads import recorded
+    rec = Recorder(monkeypatch)
+    steps, accum = 2, 3
+    with recorded() as (counts, phase):
+        losses = launch.run_threads(_demo_steps, 1, steps, phase)[0]
+    assert counts["forward"] + counts["backward"] == 0, counts
+    # the engine's one read in the step (its flags), the demo's loss after it
+    assert counts["step"] == steps and counts["after"] == steps, counts
+    moves = rec.calls["to"]
+    assert len(moves) == 2 * steps * accum and all(nb and pinned for _, nb, pinned, _ in moves), moves[:3]
+    assert len(rec.calls["pin_memory"]) == 2 * steps * accum
+    assert all(isinstance(x, float) and 0 < x < 10 for x in losses), losses
