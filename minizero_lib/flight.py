@@ -20,11 +20,14 @@ number where they differ, and the likely cause. Engine(trace=DIR) writes the sam
 records, with each unit's forward and backward, as a Chrome trace per rank.
 """
 import atexit
+import faulthandler
 import json
 import linecache
 import os
 import pickle
+import re
 import sys
+import tempfile
 import threading
 import time
 import zlib
@@ -168,18 +171,34 @@ def _tag(rec):
 def call_site(ident):
     """The innermost line of the thread's stack outside minizero, torch and the standard
     library's threading: the user's line that led to the collective."""
-    frame = sys._current_frames().get(ident)
     site = None
-    while frame is not None:
-        f = frame.f_code.co_filename
+    for f, lineno, name in stack(ident):
         if os.path.dirname(os.path.abspath(f)) != _PACKAGE and os.path.abspath(f) not in OURS and \
                 f"{os.sep}torch{os.sep}" not in f and f"{os.sep}concurrent{os.sep}" not in f and \
                 not f.endswith(("threading.py", "queue.py")):
-            line = linecache.getline(f, frame.f_lineno).strip()
-            return f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
-        site = site or f"{os.path.basename(f)}:{frame.f_lineno} in {frame.f_code.co_name}"
-        frame = frame.f_back
+            line = linecache.getline(f, lineno).strip()
+            return f"{os.path.basename(f)}:{lineno} in {name}: {line}"
+        site = site or f"{os.path.basename(f)}:{lineno} in {name}"
     return site or "(its code has returned)"
+
+
+def stack(ident):
+    """[(file, line, function)] of thread ident's stack, innermost first. faulthandler reads it
+    in C with the GIL held: walking a running thread's frames from Python (sys._current_frames,
+    f_back) can crash CPython 3.11 when that thread pops a frame between two reads."""
+    with tempfile.TemporaryFile("w+") as out:
+        faulthandler.dump_traceback(out, all_threads=True)
+        out.seek(0)
+        text = out.read()
+    frames, mine = [], False
+    for line in text.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            mine = int(re.search(r"0x([0-9a-f]+)", line)[1], 16) == ident
+        elif mine and line.startswith('  File "'):
+            f, rest = line[8:].rsplit('", line ', 1)
+            lineno, name = rest.split(" in ", 1)
+            frames.append((f, int(lineno), name))
+    return frames
 
 
 # -----------------------------------------------------------------------------
