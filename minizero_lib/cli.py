@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from minizero_lib import checkpoint
+from minizero_lib.ds_config import reshard_arg
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.stages import sharded
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
@@ -404,6 +405,12 @@ def check_main(argv):
     ap.add_argument("--shard-size", type=int,
                     help="hybrid sharding over groups of this many ranks (it must "
                                                    "divide every world size)")
+    ap.add_argument("--reduce-every", choices=["micro_batch", "step"],
+                    help="step: one gradient reduction per step (DDP's no_sync)")
+    ap.add_argument("--reshard-after-forward",
+                    help="stage 3: true, false (keep for backward), or N: hpZ among N ranks")
+    ap.add_argument("--quantize-grads", type=int, choices=[8, 4],
+                    help="ZeRO++ qgZ: int8 or int4 gradients on the wire (refereed loosely)")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
     ap.add_argument("--compile", action="store_true",
@@ -421,8 +428,11 @@ def check_main(argv):
             kw["dtype"] = DTYPE_NAMES[a.dtype]
         if a.grad_accum:
             kw["grad_accum"] = a.grad_accum
-        if a.shard_size:
-            kw["shard_size"] = a.shard_size
+        for key in ("shard_size", "reduce_every", "quantize_grads"):
+            if getattr(a, key) is not None:
+                kw[key] = getattr(a, key)
+        if a.reshard_after_forward is not None:
+            kw["reshard_after_forward"] = reshard_arg(a.reshard_after_forward)
         if min(a.world_sizes) < 1 or a.steps < 1 or not set(a.stages) <= {0, 1, 2, 3}:
             raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
         t0 = time.perf_counter()

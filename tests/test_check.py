@@ -392,3 +392,21 @@ def test_check_on_cuda_runs_deterministic_kernels_only(monkeypatch):
         raise LookupError(list(seen))
     with pytest.raises(LookupError, match=r"\[device\(type='cuda'\)\]"):
         check._rank(SimpleNamespace(device=torch.device("cuda")), 0, dict(make_model=make_model))
+
+
+def test_cli_modes_reach_check(tmp_path, monkeypatch, capsys):
+    """--reduce-every, --reshard-after-forward and --quantize-grads are the Engine's modes,
+    checked as the flags give them (over the file's ENGINE); a bad value is one line and 2."""
+    from minizero_lib import check as check_module
+    seen, real = [], check_module.check
+    monkeypatch.setattr(check_module, "check", lambda *a, **kw: (seen.append(kw), real(*a, **kw))[1])
+    path = write(tmp_path, USER.format(extra=""))
+    assert cli.check_main([path, "--world-sizes", "2", "--steps", "2", "--grad-accum", "2",
+                           "--reduce-every", "step", "--reshard-after-forward", "false"]) == 0
+    assert cli.check_main([path, "--world-sizes", "2", "--steps", "1", "--quantize-grads", "8"]) == 0
+    assert [{k: kw.get(k) for k in ("reduce_every", "reshard_after_forward", "quantize_grads", "lr")}
+            for kw in seen] == [dict(reduce_every="step", reshard_after_forward=False, quantize_grads=None, lr=0.01),
+                                dict(reduce_every=None, reshard_after_forward=None, quantize_grads=8, lr=0.01)]
+    assert cli.check_main([path, "--reshard-after-forward", "sometimes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--reshard-after-forward must be true, false or a number of ranks" in err and len(err.splitlines()) == 1
