@@ -26,7 +26,6 @@ import linecache
 import os
 import pickle
 import re
-import sys
 import tempfile
 import threading
 import time
