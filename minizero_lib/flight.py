@@ -386,8 +386,8 @@ class Tracer:
         return event
 
     def seconds(self, t):
-        """A time of now() as host seconds (a GPU's event once it has run)."""
-        if not self.gpu or isinstance(t, float):
+        """A GPU's time from now() as host seconds, once its event has run (floats already are)."""
+        if isinstance(t, float):
             return t
         host, event = self.origin
         return host + event.elapsed_time(t) / 1e3

@@ -26,7 +26,6 @@ from minizero_lib.checkpoint import _remove, frozen, manifest, my_state, piece
 from ops import PeerFailed, all_gather, broadcast
 
 
-
 def save(engine, path, meta=None, background=False):
     """Collective. Each rank writes its shard; once every rank's shard is safely on disk,
     rank 0 writes the manifest, which alone makes the checkpoint complete. `meta` (JSON:
