@@ -379,7 +379,7 @@ def train(comm, cfg):
                              native=c.native, **optimizer_options(c))
     if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
         compiled.compile_units(model, [u.module for u in engine.units])
-    S = engine.shards.world_size
+    S = engine.group.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
         f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
@@ -431,7 +431,7 @@ def train(comm, cfg):
             log("bytes sent per step by rank 0: " + ", ".join(
                 f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
             if S < N:  # hybrid: what stays in the shard group (a node) and what leaves it
-                inside = sum(v - to_before.get(k, 0) for k, v in comm.sent_to.items() if k in engine.shards.ranks)
+                inside = sum(v - to_before.get(k, 0) for k, v in comm.sent_to.items() if k in engine.group.ranks)
                 log(f"  of which to its shard group {inside:,}, to other groups "
                     f"{sum(comm.sent_to.values()) - sum(to_before.values()) - inside:,}")
         if step % 10 == 0 or step == c.steps - 1:
@@ -445,7 +445,7 @@ def train(comm, cfg):
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
     log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s" + (f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else "")
-        + (f", {engine.scaler.skipped} steps skipped for non-finite gradients" if engine.scaler.skipped else ""))
+        + (f", {engine.skipped} steps skipped for non-finite gradients" if engine.skipped else ""))
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
         "the rest is activations, buffers and (on CPU) torch itself")
@@ -462,7 +462,7 @@ def train(comm, cfg):
     if c.out_dir and rank == 0:
         checkpoint.prune(c.out_dir)
     return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem,
-                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=engine.scaler.skipped, sample=sample)
+                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=engine.skipped, sample=sample)
 
 
 def train_entry(comm, cfg):

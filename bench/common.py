@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import minizero
-from minizero_lib import flight
+import ops
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20
@@ -126,7 +126,8 @@ def build_zero(v, comm, model, meta):
     if v.compile:  # after Engine(...): the engine's hooks stay outside the graphs either way
         for block in model.transformer.h:
             block.compile()
-    record = comm.flight if v.record else NoRecord(comm.rank)
+    # (ops.NoRecord keeps nothing: the difference in ms/step is what the record costs)
+    record = comm.flight if v.record else ops.NoRecord()
 
     def step(x, y):
         comm.native, comm.flight = v.native, record
@@ -135,20 +136,6 @@ def build_zero(v, comm, model, meta):
         engine.step()
         return loss.item()
     return step, engine
-
-
-class NoRecord(flight.Flight):
-    """The flight record switched off (here only): the difference in ms/step is what it
-    costs. start() keeps no record and returns None, so end() and resume() get None."""
-
-    def start(self, op, kind, t):
-        return None
-
-    def end(self, rec, done=True):
-        pass
-
-    def resume(self, rec):
-        pass
 
 
 def decay_groups(model):

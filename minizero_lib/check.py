@@ -52,15 +52,14 @@ import torch
 from minizero_lib import launch
 # Named judge here: check()'s own `referee` is a flag, whether stage 0 is held to torch.
 from minizero_lib import referee as judge
+from minizero import Engine, default_units, group_params
 from minizero_lib.checkpoint import read_state
 from minizero_lib.compiled import compile_units
-from minizero_lib.engine import Engine
+from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.optimizers import state_numel, whole_numel
+from minizero_lib.quantize import BLOCK
 from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
                                  Row, StepRecord, UnitLayout, run_to_device, seed, to_device)
-from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
-from minizero_lib.quantize import BLOCK
-from minizero_lib.stages import default_units, group_params
 
 # cuBLAS's deterministic setting, read when cuBLAS starts.
 CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -131,7 +130,7 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     num_threads = torch.get_num_threads()
     # Ranks are threads (or processes on the same cores).
     torch.set_num_threads(1)
-    restore = _deterministic(device)
+    restore = deterministic(device)
     buffer_names = {nm for nm, _ in model.named_buffers()}
     # Rank 0's model's values, as the engine holds them in the compute dtype.
     initial = {k: v.to(dtype).float() if v.is_floating_point() else v
@@ -196,10 +195,10 @@ def _refuse(world_sizes, engine_kw, processes, device, callables):
 def _run_stage(n, stage, spec, model, processes, device, timeout, strict_p2p):
     """Every rank's RankRun of one stage at world size n, on threads or processes."""
     if not processes:
-        return launch.run_threads(_rank, n, stage, dict(spec, model=model), device=device,
+        return launch.run_threads(rank_run, n, stage, dict(spec, model=model), device=device,
                                   timeout=timeout, strict_p2p=strict_p2p)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    runs = launch.run_processes(_rank, n, stage, spec, timeout=timeout, backend=backend)
+    runs = launch.run_processes(rank_run, n, stage, spec, timeout=timeout, backend=backend)
     # On nccl each rank's tensors come back on its own GPU: gather them.
     return [run_to_device(run, device) for run in runs]
 
@@ -235,7 +234,7 @@ def random_modules(model, batch, loss_fn):
             if not any(c in moved for c in list(m.modules())[1:])]
 
 
-def _deterministic(device):
+def deterministic(device):
     """On CUDA, torch's deterministic kernels only: some (index_add, ...) sum with atomics in
     a different order each run, and a kernel with no deterministic version (flash attention's
     backward) raises, naming itself, instead of letting the stages differ for a reason that is
@@ -255,17 +254,17 @@ def _deterministic(device):
 # one rank's run: what every comparison needs, recorded after every backward and step
 
 
-def _rank(comm, stage, spec):
+def rank_run(comm, stage, spec):
     """One rank's run of one stage: its RankRun."""
     if "model" in spec:
         # Threads: a copy of the one model.
         model = copy.deepcopy(spec["model"]).to(comm.device)
     else:
         # Processes: build it, then take the parent's values.
-        _deterministic(comm.device)
+        deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
-    _perturb(model, comm.rank)
+    perturb(model, comm.rank)
     kw = dict(spec["engine_kw"])
     if stage == 0:
         # DDP keeps all its state in memory: the reference every offload is held to.
@@ -294,9 +293,9 @@ def _rank(comm, stage, spec):
     if kw.get("broadcast_buffers", True):
         model.register_forward_pre_hook(record)
     layout = [UnitLayout(u.names, u.offsets, [p.numel() for p in u.params],
-                         u.shard_size * engine.shards.rank) for u in engine.units]
+                         u.shard_size * engine.group.rank) for u in engine.units]
     rules = {nm: rule for u in engine.units for nm, rule in zip(u.names, u.rules)}
-    run = RankRun(layout=layout, rules=rules, shard_size=engine.shards.world_size,
+    run = RankRun(layout=layout, rules=rules, shard_size=engine.group.world_size,
                   grad_accum=engine.grad_accum, initial=engine.full_state_dict(),
                   memory_formula=memory_formula, bytes_formula=bytes_formula)
     for step in range(spec["steps"]):
@@ -322,7 +321,9 @@ def _step(engine, model, comm, spec, step, seen):
         seen.clear()
     # Measured with the reduced shards alive.
     memory = _memory(engine.memory(), engine.offloaded())
-    loss_scale, counts_before = engine.scaler.scale, [list(u.steps) for u in engine.units]
+    scaler = getattr(engine, "scaler", None)  # (fp16's loss scale)
+    loss_scale = scaler.scale if scaler else 1.0
+    counts_before = [list(u.steps) for u in engine.units]
     stepped = engine.step()
     sent = {kind: comm.sent[kind] - sent_before.get(kind, 0) for kind in SENT_KINDS}
     kept.append(_kept_too_much(engine))
@@ -348,7 +349,7 @@ def _moments(engine, u):
     return moments
 
 
-def _perturb(model, rank):
+def perturb(model, rank):
     """Ranks 1.. start from other values than rank 0 (a user who seeds each rank
     differently does this): every parameter and buffer plus the rank. DDP broadcasts
     rank 0's at construction, so the engine must, before anything reads them."""
@@ -399,13 +400,12 @@ def _memory(resident, offloaded):
 
 def _kept_too_much(engine):
     """What a stage promises not to keep between its sync points, if it keeps it anyway."""
-    # reduce_every="step" keeps the local sum until the step's last micro-batch
-    summing = engine.reduce_every == "step" and 0 < engine.micro < engine.grad_accum
+    # reduce_every="step" keeps the local sum until the step's last micro-batch (u.summing)
     for u in engine.units:
-        if engine.sharded["grads"] and ((u.bucket is not None and not summing) or
+        if engine.sharded["grads"] and ((u.bucket is not None and not u.summing) or
                                         any(p.grad is not None for p in u.params)):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
-        if u.secondary is not None:
+        if u.index in getattr(engine, "secondary", {}):
             return f"{u.names[0]}'s unit kept its secondary shard past backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"

@@ -21,10 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from minizero import sharded
 from minizero_lib import checkpoint
 from minizero_lib.ds_config import reshard_arg
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
-from minizero_lib.stages import sharded
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 from minizero_lib.quantize import BLOCK, packed_bytes
 
@@ -419,7 +419,7 @@ def check_main(argv):
                     help="cuda: the ranks share one GPU (with --processes: one nccl process per "
                          "GPU)")
     a = ap.parse_args(argv)
-    if a.device == "cuda":  # before the user's file may start cuBLAS (check._deterministic)
+    if a.device == "cuda":  # before the user's file may start cuBLAS (check.deterministic)
         os.environ.setdefault(*check.CUBLAS)
     try:
         user = _load(a.file)

@@ -8,9 +8,9 @@ import resource
 
 import torch
 
+from minizero import sharded
 from minizero_lib.optimizers import GATHERED, state_numel, whole_numel
-from minizero_lib.quantize import BLOCK, packed_bytes
-from minizero_lib.stages import sharded
+from minizero_lib.quantize import BLOCK, Quant, packed_bytes
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None,
@@ -111,32 +111,50 @@ def quantized_bytes(units, S, R, stage, gathers, reductions, reduce_dtype, weigh
     return out
 
 
+def features(engine):
+    """What an engine's features set (a plain engine has none: plain ZeRO's values):
+    (offload, offload_params, replicas, reduce_every, reshard_after_forward, quant)."""
+    e = engine
+    return (getattr(e, "offload", None), getattr(e, "offload_params", False),
+            e.replicas.world_size if getattr(e, "replicas", None) else 1,
+            getattr(e, "reduce_every", "micro_batch"), getattr(e, "reshard_after_forward", True),
+            getattr(e, "quant", None) or Quant())
+
+
 def engine_formula(engine, offloaded=False, sent=False):
     """Engine.formula: the formulas above for an engine's layout and optimizer."""
     e = engine
-    layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
-    modes = dict(reduce_every=e.reduce_every, reshard_after_forward=e.reshard_after_forward)
-    if sent:
-        q = e.quant  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
+    offload, offload_params, replicas, every, rf, q = features(e)
+    layout = (e.numel(), e.group.world_size, e.stage, e.dtype)
+    modes = dict(reduce_every=every, reshard_after_forward=rf)
+    if sent:  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
         return comm_bytes_per_step([u.padded for u in e.units], *layout[1:], e.grad_accum,
-                                   e.reduce_dtype, e.replicas.world_size, whole_numel(e.units),
+                                   e.reduce_dtype, replicas, whole_numel(e.units),
                                    **modes, quantize_weights=q.weights, quantize_grads=q.grads,
                                    quant_block=q.block)
     if offloaded:
-        return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
-    return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,
+        return offloaded_bytes(*layout, offload, offload_params, state_numel(e.units))
+    return model_state_bytes(*layout, offload, offload_params, e.reduce_dtype,
                              state_numel(e.units), **modes)
 
 
 def engine_held(engine):
     """Engine.memory: held_bytes for an engine's units and modes."""
     e = engine
-    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, e.offload,
-                      e.offload_params, e.reduce_every, e.reshard_after_forward)
+    offload, offload_params, _, every, rf, _ = features(e)
+    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, offload,
+                      offload_params, every, rf, getattr(e, "secondary", {}))
+
+
+def engine_offloaded(engine):
+    """Engine.offloaded: offloaded_held for an engine's units."""
+    offload, offload_params, *_ = features(engine)
+    return offloaded_held(engine.units, getattr(engine, "disk", None), offload,
+                          offload_params)
 
 
 def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False,
-               reduce_every="micro_batch", reshard_after_forward=True):
+               reduce_every="micro_batch", reshard_after_forward=True, secondary=None):
     """Measured: bytes of model state the units hold on `device` in a step, by category.
     Stages 2-3's reduced gradient shards live only from a step's first reduction to its
     update: between steps, count the ones the next step makes; so too what a mode keeps
@@ -156,8 +174,9 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
             whole = u.padded * reduce_dtype.itemsize
             grads += _nbytes(device, u.bucket) if u.bucket is not None else whole
         if cut["params"] and rf is not True:  # gathered (False) or the secondary shard (G)
-            secondary = u.padded // (1 if rf is False else rf) * dtype.itemsize
-            params += _nbytes(device, u.secondary) if u.secondary is not None else secondary
+            secondary_bytes = u.padded // (1 if rf is False else rf) * dtype.itemsize
+            kept = (secondary or {}).get(u.index)
+            params += _nbytes(device, kept) if kept is not None else secondary_bytes
         opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(),
                                                  u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}

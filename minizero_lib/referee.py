@@ -10,9 +10,9 @@ import copy
 
 import torch
 
+from minizero import cast_floats
 from minizero_lib.optimizers import OPTIMIZERS, optimizer_options
 from minizero_lib.report import SENT_KINDS, Divergence, seed, to_device
-from minizero_lib.user_model import cast_floats
 
 
 # -----------------------------------------------------------------------------

@@ -102,14 +102,14 @@ def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
     error; params, moments and step counts are as before; with room again, training goes on."""
     c = case("bf16", steps=3)
     model, batches = make(c)
-    real = offload._pwrite
+    real = offload.pwrite
     full = {"on": False}
 
     def pwrite(fd, t, pos):
         if full["on"] and os.readlink(f"/proc/self/fd/{fd}").endswith("rank1-unit1.offload"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, t, pos)
-    monkeypatch.setattr(offload, "_pwrite", pwrite)
+    monkeypatch.setattr(offload, "pwrite", pwrite)
 
     def body(comm):
         engine = minizero.Engine(copy.deepcopy(model), comm, 3, offload="disk", offload_dir=str(tmp_path),

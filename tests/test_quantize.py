@@ -16,7 +16,7 @@ import torch.nn as nn
 import minizero
 from minizero_lib import cli, launch
 from minizero_lib.ds_config import check_quantized, parse_ds_config
-from minizero_lib.engine import Engine
+from minizero import Engine
 from minizero_lib.quantize import (QMAX, Quant, dequantize, gather_params, packed_bytes,
                                    quantize, reduce_scatter)
 
