@@ -378,6 +378,7 @@ def train(comm, cfg):
                              quantize_weights=c.quantize_weights, quantize_grads=c.quantize_grads,
                              native=c.native, **optimizer_options(c))
     if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
+        log("compiling each block (the first step takes ~20 s)...")
         compiled.compile_units(model, [u.module for u in engine.units])
     S = engine.shards.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
@@ -417,7 +418,7 @@ def train(comm, cfg):
         engine.lr = get_lr(step, c)
         if c.optimizer == "muon":  # Muon's lr on the same schedule
             engine.options["muon_lr"] = get_lr(step, c, c.muon_lr, c.min_lr / c.lr * c.muon_lr if c.lr else 0.0)
-        sent_before, to_before = dict(comm.sent), dict(comm.sent_to)
+        sent_before, to_before, skipped = dict(comm.sent), dict(comm.sent_to), engine.scaler.skipped
         sync()
         t0 = time.perf_counter()
         loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device)
@@ -425,7 +426,8 @@ def train(comm, cfg):
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss))
         resume.record(c, rank, step=step, loss=loss)
-        if comm_step is None:  # what one step sends, beside DESIGN.md's formula
+        # what one step sends, beside DESIGN.md's formula: a step taken (fp16 skips its first ones)
+        if comm_step is None and engine.scaler.skipped == skipped:
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
             expect = engine.formula(sent=True)
             log("bytes sent per step by rank 0: " + ", ".join(
@@ -445,7 +447,9 @@ def train(comm, cfg):
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
     log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s" + (f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else "")
-        + (f", {engine.scaler.skipped} steps skipped for non-finite gradients" if engine.scaler.skipped else ""))
+        + (f", {engine.scaler.skipped} steps skipped for non-finite gradients" if engine.scaler.skipped else "")
+        if times else f"nothing left to train: the checkpoint is at step {start} of --steps "
+        f"{c.steps}; give a larger --steps to train on")
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
         "the rest is activations, buffers and (on CPU) torch itself")
