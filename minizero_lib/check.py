@@ -87,7 +87,7 @@ def default_loss(model, batch):
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3),
           steps=3, referee=True, tol=None, processes=False, jitter=False, timeout=120.0,
-          device=None, strict_p2p=False, compile=False, **engine_kw):
+          device=None, strict_p2p=False, compile=False, progress=None, **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -100,7 +100,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads).
     compile=True (or a backend's name, "inductor" by default): every rank compiles each of
     its units' modules after Engine(...) (compiled.compile_units, as torchtitan compiles
-    each block), so the stages are compared, and stage 0 refereed, as compiled code."""
+    each block), so the stages are compared, and stage 0 refereed, as compiled code.
+    progress(world_size, stage, row) is called as each run starts (row None) and ends."""
     if 0 not in stages:
         # Everything is compared with stage 0.
         stages = (0, *stages)
@@ -140,6 +141,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
             # Per stage: every rank's RankRun.
             runs = {}
             for s in sorted(stages):
+                if progress:
+                    progress(n, s, None)
                 t0 = time.perf_counter()
                 row = Row(n, s)
                 try:
@@ -149,6 +152,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                     row.first = Divergence(what="error", world_size=n, stage=s, step=0, micro=None,
                                            rank=0, name=str(e).split("\n")[0])
                     report.rows.append(row)
+                    if progress:
+                        progress(n, s, row)
                     continue
                 row.seconds = time.perf_counter() - t0
                 judge.compare(row, runs[s], runs.get(0) if s else None, n, s, buffer_names,
@@ -156,6 +161,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 if s == 0 and referee:
                     judge.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
                 report.rows.append(row)
+                if progress:
+                    progress(n, s, row)
     finally:
         torch.set_num_threads(num_threads)
         restore()

@@ -6,7 +6,7 @@ The command line of `python minizero.py` (train_gpt.py has its own):
     python minizero.py --params 7.5e9 --world-size 1024 --gpus-per-node 8 [--shard-size 8]
                        [--intra-gbps 900 --inter-gbps 400 --latency-us 5 --units 32]
                        [--grad-accum 16]   (each mode's bytes: reduce_every, reshard_after_forward)
-    python minizero.py consolidate CHECKPOINT_DIR OUT.pt
+    python minizero.py consolidate CHECKPOINT_DIR OUT.pt  (or --out-dir DIR OUT.pt: DIR's newest)
     python minizero.py check FILE.py [--world-sizes 1,2,3,4] [--dtype bf16] [--processes] ...
 
 A user's mistake is one line on stderr and exit status 2; tracebacks are for bugs.
@@ -23,13 +23,13 @@ import torch
 
 from minizero import sharded
 from minizero_lib import checkpoint
-from minizero_lib.ds_config import reshard_arg
+from minizero_lib.ds_config import dtype_arg, reshard_arg
 from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.optimizers import GATHERED, OPTIMIZERS, STATE_PER_PARAM
 from minizero_lib.quantize import BLOCK, packed_bytes
 
-# what --dtype takes
-DTYPE_NAMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# `python minizero.py --help` lists every command (each has its own --help): the docstring's
+COMMANDS = "commands:\n" + __doc__.split("\n\n")[1]
 
 
 def main(argv):
@@ -38,11 +38,13 @@ def main(argv):
     try:
         if argv[:1] == ["consolidate"]:
             return consolidate_main(argv[1:])
-        ap = argparse.ArgumentParser(description="ZeRO memory planner: model-state bytes per rank, "
-                                                 "per stage")
+        ap = argparse.ArgumentParser(prog="minizero.py", allow_abbrev=False, epilog=COMMANDS,
+                                     description="ZeRO memory planner: model-state bytes per "
+                                                 "rank, per stage",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         ap.add_argument("--params", type=float, required=True, help="parameter count, e.g. 7.5e9")
         ap.add_argument("--world-size", type=int, required=True)
-        ap.add_argument("--dtype", choices=list(DTYPE_NAMES), default="bf16")
+        ap.add_argument("--dtype", type=dtype_arg, default="bfloat16", help="fp32, bf16 or fp16")
         ap.add_argument("--memory",
                         help="memory per rank, e.g. 80GB, 80GiB, 1TB (a bare number: GB): "
                              "also print the largest model per stage")
@@ -71,18 +73,16 @@ def main(argv):
                              "(reduce_every, stage 3's reshard_after_forward)")
         a = ap.parse_args(argv)
         memory = parse_bytes(a.memory) if a.memory is not None else None
-        lines = plan(a.params, a.world_size, DTYPE_NAMES[a.dtype], memory, a.offload, a.optimizer)
+        dtype = getattr(torch, a.dtype)
+        lines = plan(a.params, a.world_size, dtype, memory, a.offload, a.optimizer, verdict=True)
         if a.gpus_per_node is not None or a.shard_size is not None:  # flat against hybrid sharding
             links = Links(a.intra_gbps * 1e9 / 8, a.inter_gbps * 1e9 / 8, a.latency_us * 1e-6)
-            lines += [""] + plan_hybrid(a.params, a.world_size, a.gpus_per_node or a.world_size,
-                                        a.shard_size or a.gpus_per_node, links, a.units,
-                                        DTYPE_NAMES[a.dtype])
+            node, S = a.gpus_per_node or a.world_size, a.shard_size or a.gpus_per_node
+            lines += [""] + plan_hybrid(a.params, a.world_size, node, S, links, a.units, dtype)
             if a.grad_accum is not None:
-                lines += [""] + plan_modes(a.params, a.world_size, a.gpus_per_node or a.world_size,
-                                           a.shard_size or a.gpus_per_node, links, a.units,
-                                           DTYPE_NAMES[a.dtype], a.grad_accum)
-            lines += [""] + plan_zeropp(a.params, a.world_size, a.gpus_per_node or a.world_size,
-                                        links, a.units, DTYPE_NAMES[a.dtype])
+                lines += [""] + plan_modes(a.params, a.world_size, node, S, links, a.units, dtype,
+                                           a.grad_accum)
+            lines += [""] + plan_zeropp(a.params, a.world_size, node, links, a.units, dtype)
         print("\n".join(lines))
     except (ValueError, OSError) as e:  # the user's input: one line, as argparse's own errors
         print(f"minizero.py: error: {e}", file=sys.stderr)
@@ -94,9 +94,11 @@ def main(argv):
 # link (link_bytes_per_step) and the ring model's time
 
 
-def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, optimizer="adamw"):
+def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, optimizer="adamw",
+         verdict=False):
     """Lines of the planner's table, from the same formulas the tests hold the engine to
-    (the optimizer's state: STATE_PER_PARAM fp32 elements per parameter)."""
+    (the optimizer's state: STATE_PER_PARAM fp32 elements per parameter); verdict=True: a last
+    line naming the stages whose model state does not fit in memory."""
     if not (math.isfinite(params) and params >= 1):
         raise ValueError("the parameter count must be a finite number >= 1, like --params 7.5e9; "
                          f"got {params}")
@@ -135,9 +137,13 @@ def plan(params, world_size, dtype=torch.bfloat16, memory=None, offload=None, op
              + ("\nresident per rank; 'offloaded': the optimizer's fp32 master and state in "
                 f"{offload} ({'host memory' if offload == 'cpu' else 'files'}), stages 1-3"
                 if offload else ""))
+    over = [f"stage {r[0]} ({r[4]} GB)" for r in rows[1:] if memory and float(r[4]) * 1e9 > memory]
+    fit = f"in {memory / 1e9:.3g} GB per rank (model state alone)" if memory else ""
+    fit = f"does not fit {fit}: {', '.join(over)}" if over else f"every stage fits {fit}"
     return [title] + [r[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(r[1:cols],
                                                                                  widths[1:]))
-                      + "".join("  " + c for c in r[cols:]) for r in rows]
+                      + "".join("  " + c for c in r[cols:]) for r in rows] \
+        + ([fit] if verdict and memory else [])
 
 
 class Links(NamedTuple):
@@ -368,17 +374,28 @@ def parse_bytes(text):
 
 
 def consolidate_main(args):
-    """python minizero.py consolidate CHECKPOINT_DIR OUT.pt: a plain state_dict, no process
-    group."""
-    if len(args) != 2:
-        raise ValueError("usage: python minizero.py consolidate CHECKPOINT_DIR OUT.pt")
-    path, out = args
+    """A sharded checkpoint as one plain state_dict, no process group: CHECKPOINT_DIR, or the
+    newest complete step-N checkpoint in train_gpt.py's --out-dir DIR (or CHECKPOINT_DIR)."""
+    ap = argparse.ArgumentParser(prog="python minizero.py consolidate", allow_abbrev=False,
+                                 usage="%(prog)s CHECKPOINT_DIR OUT.pt, or --out-dir DIR OUT.pt",
+                                 description=consolidate_main.__doc__)
+    ap.add_argument("paths", nargs="*", help="CHECKPOINT_DIR OUT.pt, or OUT.pt after --out-dir")
+    ap.add_argument("--out-dir", help="train_gpt.py's --out-dir: its newest complete checkpoint")
+    a = ap.parse_args(args)
+    if len(a.paths) != 2 - bool(a.out_dir):
+        raise ValueError(ap.format_usage().strip())
+    path, out = (a.out_dir, *a.paths) if a.out_dir else a.paths
     folder = os.path.dirname(os.path.abspath(out))  # checked before the checkpoint is read
     if os.path.isdir(out):
         raise ValueError(f"OUT {out} is a directory; give a file name, like "
                          f"{os.path.join(out, 'model.pt')}")
     if not os.path.isdir(folder):
         raise ValueError(f"OUT {out}: the directory {folder} does not exist; create it first")
+    found = checkpoint.checkpoints(path)  # a run's folder of step-N checkpoints: the newest
+    if found and (a.out_dir or not os.path.exists(os.path.join(path, "manifest.json"))):
+        path = found[0]
+    step = (checkpoint.read_manifest(path).get("meta") or {}).get("step", "unknown")  # (or raise)
+    print(f"consolidating {path} (training step {step}): reading every shard...", flush=True)
     state = checkpoint.consolidate(path)
     torch.save(state, out)
     print(f"wrote {len(state)} tensors to {out}; model.load_state_dict(torch.load(...)) takes them")
@@ -391,7 +408,7 @@ def consolidate_main(args):
 def check_main(argv):
     """Exit 0 when everything agrees, 1 when something diverges, 2 on bad input."""
     from minizero_lib import check  # (only this command needs the engine)
-    ap = argparse.ArgumentParser(prog="python minizero.py check",
+    ap = argparse.ArgumentParser(prog="python minizero.py check", allow_abbrev=False,
                                  description=check.__doc__.split("\n\n")[0])
     ap.add_argument("file", help="a .py file defining make_model(), make_batch(step, rank, micro), "
                                  "optionally loss_fn(model, batch) and an ENGINE dict of Engine "
@@ -400,11 +417,10 @@ def check_main(argv):
     ap.add_argument("--world-sizes", type=ints, default=(1, 2, 3, 4))
     ap.add_argument("--stages", type=ints, default=(0, 1, 2, 3))
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--dtype", choices=list(DTYPE_NAMES))
+    ap.add_argument("--dtype", type=dtype_arg, help="fp32 (float32), bf16 (bfloat16) or fp16")
     ap.add_argument("--grad-accum", type=int)
     ap.add_argument("--shard-size", type=int,
-                    help="hybrid sharding over groups of this many ranks (it must "
-                                                   "divide every world size)")
+                    help="hybrid: shard over groups of this many ranks (dividing each world size)")
     ap.add_argument("--reduce-every", choices=["micro_batch", "step"],
                     help="step: one gradient reduction per step (DDP's no_sync)")
     ap.add_argument("--reshard-after-forward",
@@ -416,8 +432,7 @@ def check_main(argv):
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile each unit's module after Engine(...), as torchtitan")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
-                    help="cuda: the ranks share one GPU (with --processes: one nccl process per "
-                         "GPU)")
+                    help="cuda: the ranks share one GPU (--processes: one nccl process per GPU)")
     a = ap.parse_args(argv)
     if a.device == "cuda":  # before the user's file may start cuBLAS (check.deterministic)
         os.environ.setdefault(*check.CUBLAS)
@@ -425,7 +440,7 @@ def check_main(argv):
         user = _load(a.file)
         kw = dict(getattr(user, "ENGINE", {}))
         if a.dtype:
-            kw["dtype"] = DTYPE_NAMES[a.dtype]
+            kw["dtype"] = getattr(torch, a.dtype)
         if a.grad_accum:
             kw["grad_accum"] = a.grad_accum
         for key in ("shard_size", "reduce_every", "quantize_grads"):
@@ -437,10 +452,10 @@ def check_main(argv):
             raise ValueError("world sizes and --steps must be >= 1, stages among 0,1,2,3")
         t0 = time.perf_counter()
         report = check.check(user.make_model, user.make_batch,
-                             loss_fn=getattr(user, "loss_fn", None),
-                             world_sizes=a.world_sizes, stages=a.stages, steps=a.steps,
-                             processes=a.processes,
-                             jitter=a.jitter, device=a.device, compile=a.compile, **kw)
+                             loss_fn=getattr(user, "loss_fn", None), world_sizes=a.world_sizes,
+                             stages=a.stages, steps=a.steps, processes=a.processes,
+                             jitter=a.jitter, device=a.device, compile=a.compile,
+                             progress=progress_lines(a), **kw)
     except (ValueError, TypeError, AttributeError, ImportError, OSError, SyntaxError) as e:
         print(f"check: {a.file}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
@@ -451,6 +466,24 @@ def check_main(argv):
         print(f"check: {a.file}: the model failed to run: {errors[0].name}", file=sys.stderr)
         return 2
     return 0 if report.ok else 1
+
+
+def progress_lines(a):
+    """check()'s progress callback: a line as the first run (world size, stage) starts and one
+    as each ends, naming the run that starts next; on stdout, before the report's table."""
+    runs, done = [(n, s) for n in a.world_sizes for s in sorted({0, *a.stages})], []
+
+    def progress(n, s, row):
+        if row is None and not done:
+            print(f"check: {len(runs)} runs; now world size {n}, stage {s}...", flush=True)
+        elif row is not None:
+            done.append(row)
+            what = f"failed ({row.first.what})" if row.first else "agrees" if s else "held to torch"
+            k = len(done)
+            after = "; now world size {}, stage {}...".format(*runs[k]) if k < len(runs) else ""
+            print(f"check: world size {n}, stage {s}: {what}, {row.seconds:.1f} s ({k} of "
+                  f"{len(runs)}){after}", flush=True)
+    return progress
 
 
 def _load(path):

@@ -263,6 +263,11 @@ def init_from_env(timeout=300.0, check=None, native=True):
     else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun.
     check (headers before every message) defaults to on for gloo, whose process aborts
     when a message meets a receive of another size; on nccl a mismatch is found by the timeout."""
+    if "RANK" not in os.environ:  # (torch would say only "RANK expected, but not set")
+        raise RuntimeError("launch.init_from_env() is for processes started by torchrun (RANK is "
+                           "not set): run `torchrun --nproc_per_node=N your_script.py`, or start "
+                           "the ranks from Python with launch.run_processes(fn, world_size) "
+                           "(processes) or launch.run_threads(fn, world_size) (threads)")
     device = None
     if torch.cuda.is_available():
         device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))

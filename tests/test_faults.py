@@ -148,7 +148,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "short.txt").write_bytes(b"x" * 300)  # val split: 30 bytes < block_size + 1
     (tmp_path / "bad.json").write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
     (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true}}')
+    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stgae": 2, "overlap_comm": true}}')
     (tmp_path / "a_file").write_text("")
     return tmp_path
 
@@ -172,7 +172,7 @@ def files(tmp_path, monkeypatch):
     ("--config {d}/missing.json", "--config {d}/missing.json: No such file or directory"),
     ("--config {d}/bad.json", "--config {d}/bad.json is not valid JSON: line 2"),
     ("--config {d}/list.json", "holds a JSON list; a DeepSpeed config is an object"),
-    ("--config {d}/unknown.json", "unknown key 'zero_optimization.overlap_comm'"),
+    ("--config {d}/unknown.json", "unknown key 'zero_optimization.stgae': did you mean 'zero_optimization.stage'?"),
     ("--out-dir {d}/a_file/ckpt", "--out-dir {d}/a_file/ckpt cannot be created or written"),
     ("--resume", "--resume needs --out-dir"),
 ])
