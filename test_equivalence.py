@@ -32,7 +32,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import event, given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import minizero
@@ -188,9 +188,9 @@ def run_check(c, **kw):
     kw = {**({"reshard_after_forward": reshard(c)} if reshard(c) is not True else {}), **kw}
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
-                          world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
-                          strict_p2p=c.get("strict_p2p", False),
-                          **{"stages": (0, 1, 2) if apart else (0, 1, 2, 3), **c["engine"], **kw})
+                          steps=c["steps"], jitter=c["jitter"], device=DEVICE, strict_p2p=c.get("strict_p2p", False),
+                          **{"world_sizes": (c["world_size"],), "stages": (0, 1, 2) if apart else (0, 1, 2, 3),
+                             **c["engine"], **kw})
 
 
 def assert_same(a, b):
@@ -212,6 +212,32 @@ def test_stages_are_bit_identical_to_ddp_and_ddp_is_torch(c):
     event(f"world size {c['world_size']}, {str(c['dtype'])[6:]}")  # pytest --hypothesis-show-statistics
     event(f"steps refereed {ref.refereed}, skipped {ref.skipped}")
     event(f"stages {len(report.rows)}")
+
+
+@st.composite
+def tree_cases(draw):
+    """A case of cases() under reduce_order="tree", at two power-of-two world sizes: the same
+    step of G leaves (rank r's micro-batch j is leaf r·A + j) at each, with grad_accum A a
+    power of two at the larger one. Without buffers the forward updates (rank 0's, so N's)."""
+    c = draw(cases())
+    sizes = draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=2, max_size=2, unique=True))
+    A = draw(st.sampled_from([2, 1, 4, 2]))
+    c.update(world_size=max(sizes), sizes=tuple(sorted(sizes)), grad_accum=A, stat=False,
+             strict_p2p=False, reshard=c["reshard"] if c["reshard"] != "hpz" else True)
+    c["engine"].update(grad_accum=A, reduce_order="tree")
+    c["engine"].pop("native", None)  # (torch's collectives sum in an order of their own)
+    return c
+
+
+@settings(max_examples=max(5, settings().max_examples // 8))
+@given(tree_cases())
+def test_the_tree_gives_the_same_bits_at_every_world_size(c):
+    """reduce_order="tree": the trained state after every step is the same bits at both world
+    sizes, at every stage (every stage held to stage 0, every world size to the first)."""
+    report = run_check(c, world_sizes=c["sizes"])
+    assert report.ok, f"\n{report}"
+    assert {r.world_size for r in report.rows} == set(c["sizes"])
+    event(f"world sizes {c['sizes']}, grad_accum {c['grad_accum']}, {str(c['dtype'])[6:]}")
 
 
 # -----------------------------------------------------------------------------

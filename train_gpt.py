@@ -203,7 +203,7 @@ DEFAULTS = dict(
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
     trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, reduce_every="micro_batch",
     reshard_after_forward="true", compile=False, quantize_weights=None, quantize_grads=None,
-    offload_params=False, loss_scale=2.0 ** 16, scale_window=1000, reduce_dtype=None,
+    offload_params=False, loss_scale=2.0 ** 16, scale_window=1000, reduce_dtype=None, reduce_order="ring",
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -260,6 +260,8 @@ def parse_args(argv=None):
     opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
     opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
+    opt("--reduce-order", str, "tree: the same bits at any power-of-two world size (a restart on fewer ranks too)",
+        choices=["ring", "tree"])
     opt("--reduce-every", str, "step: sum micro-batches locally, reduce once (DDP's no_sync)",
         choices=["micro_batch", "step"])
     opt("--reshard-after-forward", str, "stage 3: true, false (keep for backward), or N: hpZ, "
@@ -328,11 +330,14 @@ def mfu(n_params, c, tok_s, world_size):
     return flops / peak
 
 
-def train_step(model, engine, batches, device):
+def train_step(model, engine, batches, device, seeds=None):
     """One step over this rank's micro-batches -> their mean loss. To a GPU the batches go from
-    pinned memory, queued; the loss is read once, after the step (each read drains the GPU)."""
+    pinned memory, queued; the loss is read once, after the step (each read drains the GPU).
+    seeds: each micro-batch's dropout seed (--reduce-order tree: its leaf's, at any world size)."""
     loss_sum = 0.0
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if seeds:
+            torch.manual_seed(seeds[i])
         if device.type == "cuda":
             x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
         _, loss = model(x, y)
@@ -365,10 +370,10 @@ def train(comm, cfg):
                              loss_scale=c.loss_scale, scale_window=c.scale_window, offload=c.offload,
                              offload_dir=c.offload_dir, offload_params=c.offload_params,
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
-                             reduce_every=c.reduce_every,
+                             **({} if c.reduce_order == "tree" else dict(reduce_every=c.reduce_every)),
                              reshard_after_forward=reshard_arg(c.reshard_after_forward),
                              quantize_weights=c.quantize_weights, quantize_grads=c.quantize_grads,
-                             native=c.native, **optimizer_options(c))
+                             native=c.native, reduce_order=c.reduce_order, **optimizer_options(c))
     if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
         log("compiling each block (the first step takes ~20 s)...")
         compiled.compile_units(model, [u.module for u in engine.units])
@@ -413,7 +418,10 @@ def train(comm, cfg):
         sent_before, to_before, skipped = dict(comm.sent), dict(comm.sent_to), engine.skipped
         sync()
         t0 = time.perf_counter()
-        loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device)
+        # (the tree's leaves: rank r's micro-batch j is leaf r·A + j of the step, at any N)
+        seeds = [(c.seed * 1_000_003 + step) * 4099 + rank * c.grad_accum + j
+                 for j in range(c.grad_accum)] if c.reduce_order == "tree" else None
+        loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device, seeds)
         sync()
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss))

@@ -101,7 +101,11 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     compile=True (or a backend's name, "inductor" by default): every rank compiles each of
     its units' modules after Engine(...) (compiled.compile_units, as torchtitan compiles
     each block), so the stages are compared, and stage 0 refereed, as compiled code.
-    progress(world_size, stage, row) is called as each run starts (row None) and ends."""
+    progress(world_size, stage, row) is called as each run starts (row None) and ends.
+    reduce_order="tree" (world sizes powers of two): each world size runs the same G leaves a
+    step, G = grad_accum x the largest world size (rank r's micro-batch j is leaf r·A + j, and
+    make_batch(step, rank, micro) says what leaf rank·A + micro is at the largest world size),
+    and every world size's state after each step is held to the first's, to the bit."""
     if 0 not in stages:
         # Everything is compared with stage 0.
         stages = (0, *stages)
@@ -136,8 +140,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     # Rank 0's model's values, as the engine holds them in the compute dtype.
     initial = {k: v.to(dtype).float() if v.is_floating_point() else v
                for k, v in spec["state"].items()}
+    worlds = {}  # reduce_order="tree": world size -> stage 0's rank 0 run
     try:
         for n in world_sizes:
+            spec_n = per_world(spec, n, world_sizes)
             # Per stage: every rank's RankRun.
             runs = {}
             for s in sorted(stages):
@@ -146,7 +152,8 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 t0 = time.perf_counter()
                 row = Row(n, s)
                 try:
-                    runs[s] = _run_stage(n, s, spec, model, processes, device, timeout, strict_p2p)
+                    runs[s] = _run_stage(n, s, spec_n, model, processes, device, timeout,
+                                         strict_p2p)
                 except RuntimeError as e:
                     # The model (or the engine on it) failed on some rank.
                     row.first = Divergence(what="error", world_size=n, stage=s, step=0, micro=None,
@@ -159,7 +166,10 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
                 judge.compare(row, runs[s], runs.get(0) if s else None, n, s, buffer_names,
                               initial)
                 if s == 0 and referee:
-                    judge.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
+                    judge.hold_to_torch(row, model, runs[0], spec_n, n, report.tol, device)
+                if s == 0 and engine_kw.get("reduce_order") == "tree":
+                    worlds[n] = runs[0][0]
+                    judge.compare_worlds(row, worlds, buffer_names)
                 report.rows.append(row)
                 if progress:
                     progress(n, s, row)
@@ -169,9 +179,37 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     return report
 
 
+def per_world(spec, n, world_sizes):
+    """spec at world size n: reduce_order="tree" runs the largest world size's leaves, A_n =
+    G/n of them a rank (engine_kw's grad_accum is the largest world size's)."""
+    kw = spec["engine_kw"]
+    if kw.get("reduce_order") != "tree":
+        return spec
+    accum = kw.get("grad_accum", 1)
+    mine = accum * max(world_sizes) // n
+    return dict(spec, engine_kw=dict(kw, grad_accum=mine),
+                make_batch=Leaves(spec["make_batch"], mine, accum))
+
+
+class Leaves:
+    """make_batch at a smaller world size, under reduce_order="tree": rank r's micro-batch j
+    is leaf r·A + j, the leaf make_batch(step, rank, micro) names at the largest world size
+    (its A there: accum). A class, not a closure: processes unpickle it."""
+
+    def __init__(self, make_batch, mine, accum):
+        self.make_batch, self.mine, self.accum = make_batch, mine, accum
+
+    def __call__(self, step, rank, micro):
+        leaf = rank * self.mine + micro
+        return self.make_batch(step, leaf // self.accum, leaf % self.accum)
+
+
 def _refuse(world_sizes, engine_kw, processes, device, callables):
     """Raise, naming the fix, for options no run can satisfy."""
     S = engine_kw.get("shard_size")
+    if engine_kw.get("reduce_order") == "tree" and any(n & (n - 1) for n in world_sizes):
+        raise ValueError(f"reduce_order='tree' compares world sizes that are powers of two; got "
+                         f"world_sizes={tuple(world_sizes)}: use e.g. (1, 2, 4)")
     if engine_kw.get("quantize_weights"):
         raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares "
                          "every stage with stage 0, which gathers nothing: drop it "
@@ -389,9 +427,10 @@ def _formulas(numel, n, stage, kw, units, sizes):
     S = kw.get("shard_size") or n
     sharding = numel, S, stage, dtype
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
-    modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward") if k in kw}
+    modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward", "reduce_order")
+             if k in kw}
     resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel,
-                                 **modes)
+                                 **modes, grad_accum=kw.get("grad_accum", 1))
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
     q = kw.get("quantize_grads")
     return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:],

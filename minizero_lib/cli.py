@@ -182,12 +182,14 @@ def link_bytes_per_step(numel, world_size, stage, node_size, dtype=torch.bfloat1
 
 def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
                  dtype=torch.bfloat16, grad_accum=1, reduce_every="micro_batch",
-                 reshard_after_forward=True):
+                 reshard_after_forward=True, reduce_order="ring"):
     """Communication time per step in the ring model, nothing overlapped: a ring collective
     on n ranks is n-1 hops (an all-reduce 2(n-1)), each a latency, and every rank sends its
     bytes at the bandwidth of the slowest link the ring crosses (across nodes if any hop
     leaves a node). Each unit runs its own collectives: latency counts per unit. At
-    grad_accum micro-batches, in a mode (reduce_every, reshard_after_forward) as formulas.py.
+    grad_accum micro-batches, in a mode (reduce_every, reshard_after_forward) as formulas.py;
+    reduce_order="tree": one reduce-scatter per step by recursive halving, log2 n messages
+    (the copies' all-reduce: log2 R, then R-1 for its all-gather), the ring's bytes.
     -> (bandwidth seconds, latency seconds)."""
     S, R, N, k = shard_size, world_size // shard_size, world_size, grad_accum
     G = reshard_after_forward
@@ -199,16 +201,18 @@ def ring_seconds(numel, world_size, stage, node_size, shard_size, links, units,
                       for ring in rings for a, b in zip(ring, ring[1:] + ring[:1]))
         return links.inter if crosses else links.intra
     # per unit and step
-    calls = {"reduce_scatter": 1 if reduce_every == "step" else k, "all_reduce": 1, "hpz_gather": k,
-             "all_gather": (2 if G is True else 1) * k if stage == 3 else 1}
-    hops = {"reduce_scatter": S - 1, "all_gather": S - 1, "all_reduce": 2 * (R - 1),
+    tree = reduce_order == "tree"
+    calls = {"reduce_scatter": 1 if reduce_every == "step" or tree else k, "all_reduce": 1,
+             "hpz_gather": k, "all_gather": (2 if G is True else 1) * k if stage == 3 else 1}
+    hops = {"reduce_scatter": (S - 1).bit_length() if tree else S - 1, "all_gather": S - 1,
+            "all_reduce": (R - 1).bit_length() + R - 1 if tree else 2 * (R - 1),
             "hpz_gather": G - 1}
     bw = {"reduce_scatter": bandwidth(shard_rings), "all_gather": bandwidth(shard_rings),
           "all_reduce": bandwidth(replica_rings),
           "hpz_gather": type(G) is int and bandwidth([list(range(g, g + G))
                                                       for g in range(0, N, G)])}
     sent = comm_bytes_per_step(numel, S, stage, dtype, k, replicas=R, reduce_every=reduce_every,
-                               reshard_after_forward=G)
+                               reshard_after_forward=G, reduce_order=reduce_order)
     return (sum(b / bw[k] for k, b in sent.items()),
             sum(calls[k] * units * hops[k] * links.latency for k in sent))
 
@@ -257,8 +261,9 @@ def plan_hybrid(params, world_size, node_size, shard_size, links, units, dtype=t
 
 def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, grad_accum):
     """Lines of the modes table at grad_accum micro-batches: per stage, sharding (flat, hybrid)
-    and mode (reduce_every; stage 3's reshard_after_forward: True, False, hpZ over a node),
-    model state per rank, the bytes inside and across nodes, and the ring model's time."""
+    and mode (reduce_every, or reduce_order="tree" where every count is a power of two; stage
+    3's reshard_after_forward: True, False, hpZ over a node), model state per rank, the bytes
+    inside and across nodes, and the ring model's time."""
     if grad_accum < 1:
         raise ValueError(f"--grad-accum must be at least 1; got {grad_accum}")
     N, numel = world_size, -(-int(params) // world_size) * world_size
@@ -268,9 +273,13 @@ def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, g
         for name, S in (("flat", N), (f"hybrid {shard_size}x{N // shard_size}", shard_size)):
             hpz = [node_size] if stage == 3 and 1 < node_size < S and S % node_size == 0 else []
             for rf in ([True, False] + hpz if stage == 3 else [True]):
-                for every in ("micro_batch", "step"):
+                tree = ["tree"] if all(x & (x - 1) == 0 for x in (S, N // S, grad_accum)) else []
+                for every in ["micro_batch", "step"] + tree:
                     modes = dict(reduce_every=every, reshard_after_forward=rf)
-                    memory = sum(model_state_bytes(numel, S, stage, dtype, **modes).values())
+                    if every == "tree":
+                        modes.update(reduce_every="step", reduce_order="tree")
+                    memory = sum(model_state_bytes(numel, S, stage, dtype, **modes,
+                                                   grad_accum=grad_accum).values())
                     link = link_bytes_per_step(numel, N, stage, node_size, dtype, grad_accum,
                                                shard_size=S, **modes)
                     bw, lat = ring_seconds(numel, N, stage, node_size, S, links, units, dtype,
@@ -282,7 +291,8 @@ def plan_modes(params, world_size, node_size, shard_size, links, units, dtype, g
     widths = [2 + max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     title = (f"each mode at --grad-accum {grad_accum} (GB per step; memory includes what a mode "
              f"keeps in a step)\nreduce: micro_batch reduce-scatters every micro-batch; step sums "
-             f"locally and reduces once (DDP's no_sync)\nreshard (stage 3): True gathers twice per "
+             f"locally and reduces once (DDP's no_sync); tree: once, by recursive halving "
+             f"(the same bits at any N)\nreshard (stage 3): True gathers twice per "
              f"micro-batch; False once (kept from forward to backward); hpZ G: the backward "
              f"gathers among G ranks (a node)")
     return [title] + ["".join(c.ljust(w) for c, w in zip(r[:4], widths)) +
@@ -427,6 +437,8 @@ def check_main(argv):
                     help="stage 3: true, false (keep for backward), or N: hpZ among N ranks")
     ap.add_argument("--quantize-grads", type=int, choices=[8, 4],
                     help="ZeRO++ qgZ: int8 or int4 gradients on the wire (refereed loosely)")
+    ap.add_argument("--reduce-order", choices=["ring", "tree"],
+                    help="tree: the same bits at any world size, each held to the first's")
     ap.add_argument("--processes", action="store_true", help="gloo processes instead of threads")
     ap.add_argument("--jitter", action="store_true", help="random delays in the communication jobs")
     ap.add_argument("--compile", action="store_true",
@@ -443,7 +455,7 @@ def check_main(argv):
             kw["dtype"] = getattr(torch, a.dtype)
         if a.grad_accum:
             kw["grad_accum"] = a.grad_accum
-        for key in ("shard_size", "reduce_every", "quantize_grads"):
+        for key in ("shard_size", "reduce_every", "quantize_grads", "reduce_order"):
             if getattr(a, key) is not None:
                 kw[key] = getattr(a, key)
         if a.reshard_after_forward is not None:

@@ -6,6 +6,7 @@ marks "(a feature's)", are its own; each falls back to plain ZeRO's where its fe
     keyword                      feature                                  module
     shard_size=S                 hybrid sharding (HSDP): S ranks a shard  hybrid.py
     reduce_every="step"          one reduction per step (DDP's no_sync)   here
+    reduce_order="tree"          the same bits at any world size          tree.py
     reshard_after_forward=F|G    stage 3 keeps units, or hpZ's G ranks    hybrid.py
     quantize_weights / _grads    ZeRO++'s qwZ / qgZ                       quantize.py
     offload="cpu"|"disk", ...    the optimizer state off the device       offload.py
@@ -19,16 +20,16 @@ import os
 
 import minizero
 from minizero import ddp_gather_grads, gather_params, reduce_grads, runs, share_params
-from minizero_lib import hybrid, optimizers, quantize
+from minizero_lib import hybrid, optimizers, quantize, tree
 from minizero_lib.scaler import LossScaler
 from minizero_lib.user_model import check_modes, materialize, meta_owners
-from ops import all_reduce, started
+from ops import all_gather, all_reduce, started
 
 # every feature keyword, and the value that asks for nothing
 KEYWORDS = dict(loss_scale=2.0 ** 16, scale_window=1000, init=None, offload=None, offload_dir=None,
                 offload_params=False, pin_memory=True, native=None, shard_size=None, trace=None,
                 reduce_every="micro_batch", reshard_after_forward=True, quantize_weights=None,
-                quantize_grads=None, quant_block=quantize.BLOCK)
+                quantize_grads=None, quant_block=quantize.BLOCK, reduce_order="ring")
 
 
 class Engine(minizero.Engine):
@@ -37,7 +38,8 @@ class Engine(minizero.Engine):
 
     def _configure(self, kw):
         comm = self.comm
-        opts = {**KEYWORDS, **{k: kw.pop(k) for k in list(kw) if k in KEYWORDS}}
+        given = {k: kw.pop(k) for k in list(kw) if k in KEYWORDS}
+        opts = {**KEYWORDS, **given}
         # what is left are optimizer options: torch.optim's, checked (an unknown one raises)
         self.options = optimizers.optimizer_options(self.optimizer, {**self.options, **kw})
         check_modes(self.stage, opts["reduce_every"], opts["reshard_after_forward"],
@@ -60,6 +62,8 @@ class Engine(minizero.Engine):
         self.scaler = LossScaler(self.dtype, opts["loss_scale"], opts["scale_window"])  # fp16
         self.trace = opts["trace"]               # where the trace's files go, or None
         self.rule_of = optimizers.choose_rules(self.model, self.optimizer, self.options)
+        self.tree = check_tree(self, opts, given)  # reduce_order="tree": the same bits at any N
+        self.leaves = {}                         # tree: unit index -> its LeafSum this step
         self.replicas = None                     # hybrid: this rank's copies of its shard group
         self.hpz = None                          # hpZ: the G ranks a unit's backward gathers in
         self.secondary = {}                      # hpZ: unit index -> my Ψ_u/G, kept for backward
@@ -87,8 +91,8 @@ class Engine(minizero.Engine):
         rules = [self.rule_of(n, p) for n, p in named]
         keys = [optimizers.state_keys(k, p.shape, self.options) for k, (_, p) in zip(rules, named)]
         u = minizero.Unit(i, module, named, self.comm, self.group, self.dtype, self.sharded,
-                          self.decay, rules, keys,
-                          self.reduce_dtype if self.reduce_every == "step" else self.dtype)
+                          self.decay, rules, keys, self.reduce_dtype
+                          if self.reduce_every == "step" and not self.tree else self.dtype)
         if not self.offload and not self.offload_params:
             u.own_state()
             return u
@@ -149,7 +153,9 @@ class Engine(minizero.Engine):
         u.release()
 
     def _loss_factor(self):
-        return self.scaler.scale / self.grad_accum
+        """The loss scale over grad_accum; tree: the loss scale alone (1/G comes after the sum:
+        an fp16 leaf overflows, or not, whatever N)."""
+        return self.scaler.scale if self.tree else self.scaler.scale / self.grad_accum
 
     def _reduction(self, u, first, last):
         """reduce_every="step": nothing before the step's last micro-batch (the bucket keeps
@@ -157,6 +163,8 @@ class Engine(minizero.Engine):
         it costs one collective (one rank; torch's own). Quantized (qgZ), and hybrid: the
         reduced shard all-reduced across the copies once per step."""
         q = self.quant
+        if self.tree:
+            return self._tree_reduction(u, last)
         if self.reduce_every == "step" and not last:
             u.zero_missing()
             return u.handed_off(keep_sum=True)
@@ -182,8 +190,44 @@ class Engine(minizero.Engine):
                 u.reduced_full = ddp_gather_grads(reduced, shards, out)
         return job
 
+    def _tree_reduction(self, u, last):
+        """reduce_order="tree": this micro-batch's gradient is a leaf of the rank's pairwise tree
+        (tree.LeafSum, in the reduce dtype); after the step's last, one reduction of its sum:
+        recursive halving over the shard group, then (hybrid) over the copies and an
+        all-gather there (kind "all_reduce"), the upper levels of the same tree."""
+        bucket = u.zero_missing()
+        leaves = self.leaves.setdefault(u.index, tree.LeafSum(self.reduce_dtype))
+        leaves.push(bucket)
+        out = None if u.cut["optimizer"] or bucket.dtype != self.reduce_dtype else bucket
+        u.handed_off()
+        if not last:
+            return None
+        total, shards, replicas = leaves.result(), self.group, self.replicas
+        del self.leaves[u.index]
+
+        def job():
+            reduced = tree.reduce_scatter_tree(total, shards)
+            if replicas.world_size > 1:  # each rank sends 2(R-1)/R of its Ψ_u/S
+                piece = tree.reduce_scatter_tree(reduced, replicas, kind="all_reduce")
+                reduced = all_gather(piece, replicas, kind="all_reduce")
+            u.reduced = reduced
+            if not u.cut["optimizer"]:
+                u.reduced_full = ddp_gather_grads(reduced, shards, out)
+        return job
+
     def _unscale(self):
+        """1/(N·loss scale); tree: 1/(G·loss scale), G = N·grad_accum leaves."""
+        if self.tree:
+            return 1.0 / (self.comm.world_size * self.grad_accum * self.scaler.scale)
         return 1.0 / (self.comm.world_size * self.scaler.scale)
+
+    def _clip_coef(self, unscale):
+        """tree: the norm summed as a tree whose shape no world size or padding changes."""
+        if not self.tree:
+            return super()._clip_coef(unscale)
+        total = tree.norm_sq([u.reduced.float() * unscale for u in self.units], self.group)
+        # (torch's max_norm / (norm + 1e-6), as minizero.clip_coef)
+        return (total.sqrt() + 1e-6).reciprocal().mul(self.clip).clamp(max=1.0)
 
     def _update(self, hp):
         """Each unit's update, with Muon's and Adafactor's whole tensors gathered and the
@@ -224,6 +268,32 @@ def ddp_all_reduce(bucket, group):
     -> (reduced shard, whole)."""
     full = bucket if group.world_size == 1 else all_reduce(bucket, group, out=bucket)
     return minizero.chunk(full, full.numel() // group.world_size, group.rank), full
+
+
+def check_tree(e, opts, given):
+    """Engine(reduce_order=...) that cannot work, before any collective: a ValueError naming
+    the fix. -> whether the tree's order is asked for."""
+    order = opts["reduce_order"]
+    if order not in ("ring", "tree"):
+        raise ValueError(f"reduce_order must be 'ring' (the default) or 'tree' (the same bits at "
+                         f"any power-of-two world size); got {order!r}")
+    if order == "ring":
+        return False
+    S = opts["shard_size"] or e.comm.world_size
+    for what, n in (("the world size", e.comm.world_size), ("grad_accum", e.grad_accum),
+                    ("shard_size", S)):
+        if n & (n - 1):
+            raise ValueError(f"reduce_order='tree' sums a balanced tree: {what} must be a power "
+                             f"of two; got {n}")
+    conflict = ("reduce_every='micro_batch'" if given.get("reduce_every") == "micro_batch"
+                else "native=True" if opts["native"] else
+                "quantize_grads" if opts["quantize_grads"] else None)
+    if conflict:
+        raise ValueError(f"reduce_order='tree' and {conflict} do not go together: the tree sums a "
+                         "step's micro-batches once, on minizero's exact exchange (not torch's "
+                         "collectives, which sum in an order of their own; nor quantized); drop "
+                         f"{conflict.split('=')[0]}")
+    return True
 
 
 def offload():

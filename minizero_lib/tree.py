@@ -92,8 +92,9 @@ class LeafSum:
             if subtree is None:
                 self.partial[level] = carry
                 break
-            # Two subtrees of 2^level leaves make one of 2^(level+1), the earlier on the left.
-            carry = subtree + carry
+            # Two subtrees of 2^level leaves make one of 2^(level+1), the earlier on the left,
+            # in the earlier's memory (a + b is b + a, exactly): log2 A + 1 alive at the most.
+            carry = subtree.add_(carry)
             self.partial[level] = None
         else:
             self.partial.append(carry)

@@ -10,8 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import minizero
 import ops
-from minizero_lib import launch
+from minizero_lib import hybrid, launch, tree
 from minizero_lib.flight import OP
 from minizero_lib.tree import LeafSum, norm_sq, reduce_scatter_tree, tree_sum
 
@@ -146,7 +147,7 @@ def test_reduce_scatter_tree_strict_p2p_and_groups():
 
     # In a group of 4 consecutive ranks (hybrid sharding's), the tree over the group's ranks.
     def in_group(comm):
-        shards, _ = ops.split(comm, 4)
+        shards, _ = hybrid.split(comm, 4)
         return reduce_scatter_tree(xs[comm.rank][:16].clone(), shards)
     outs = launch.run_threads(in_group, n)
     for g in (0, 4):
@@ -236,3 +237,71 @@ def test_norm_sq_is_the_same_at_every_world_size(seed, dtype):
                 assert sent == (n - 1) * sum(c // (c & -c) for c in sizes if c) * 4
                 assert sent <= (n - 1) * sum(sizes) // n_b * 4
     assert torch.allclose(expect.double(), close, rtol=1e-5)
+
+
+# -----------------------------------------------------------------------------
+# the engine's reduce_order="tree" (features.py): bad input, and check() across world sizes
+
+def _build(comm, kw):
+    """Engine(...) on a small model -> (its error, the bytes this rank sent before it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    try:
+        minizero.Engine(model, comm, 1, **kw)
+    except ValueError as e:
+        return str(e), dict(comm.sent)
+    return None, dict(comm.sent)
+
+
+@pytest.mark.parametrize("n, kw, says", [
+    (2, dict(reduce_order="spiral"), "reduce_order must be 'ring'"),
+    (3, dict(reduce_order="tree"), "the world size must be a power of two; got 3"),
+    (2, dict(reduce_order="tree", grad_accum=3), "grad_accum must be a power of two; got 3"),
+    (4, dict(reduce_order="tree", shard_size=4, grad_accum=2), None),
+    (2, dict(reduce_order="tree", reduce_every="micro_batch"), "reduce_every='micro_batch'"),
+    (2, dict(reduce_order="tree", native=True), "native=True"),
+    (2, dict(reduce_order="tree", quantize_grads=8), "quantize_grads")])
+def test_the_trees_bad_input_is_named_before_any_collective(n, kw, says):
+    for error, sent in ops.run_threads(_build, n, kw):
+        if says is None:
+            assert error is None
+        else:
+            assert says in error and sent == {}, (error, sent)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(2))
+        self.head = torch.nn.Linear(6, 11)
+
+    def forward(self, x, y):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return torch.nn.functional.cross_entropy(self.head(h).float().flatten(0, 1), y.flatten())
+
+
+def _make_model():
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _make_batch(step, rank, micro):
+    g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    return torch.randint(0, 11, (2, 4), generator=g), torch.randint(0, 11, (2, 4), generator=g)
+
+
+def test_check_holds_every_world_size_to_the_first(monkeypatch):
+    """check(reduce_order="tree") at world sizes 1, 2, 4: the same G leaves each step, and the
+    same bits; the ring's reduce-scatter planted in the tree's place (every stage alike, so no
+    stage-against-stage finding) is named as world size 4 parting from world size 1 (at two
+    ranks the ring is the tree: one add)."""
+    kw = dict(world_sizes=(1, 2, 4), steps=2, lr=0.05, clip=0.3, grad_accum=2,
+              dtype=torch.bfloat16, reduce_order="tree")
+    report = minizero.check(_make_model, _make_batch, **kw)
+    assert report.ok and len(report.rows) == 12, report
+    monkeypatch.setattr(tree, "reduce_scatter_tree", lambda x, comm, kind="reduce_scatter":
+                        ops.reduce_scatter(x, comm, kind=kind))
+    first = minizero.check(_make_model, _make_batch, **kw).first
+    assert (first.what, first.world_size, first.stage) == ("world sizes", 4, 0), first
