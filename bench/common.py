@@ -50,6 +50,7 @@ class Variant:
     offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
     record: bool = True  # False: the flight record switched off, to time what it costs
     compile: bool = False  # each block compiled (torch.compile), before DDP or FSDP2 wrap it
+    order: str = "ring"  # "tree": Engine(reduce_order="tree"), the same bits at any world size
 
     @property
     def zero_stage(self):
@@ -122,7 +123,7 @@ def build_zero(v, comm, model, meta):
     engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                              decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
                              offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None,
-                             init=model.init_weights if meta else None)
+                             init=model.init_weights if meta else None, reduce_order=v.order)
     if v.compile:  # after Engine(...): the engine's hooks stay outside the graphs either way
         for block in model.transformer.h:
             block.compile()
