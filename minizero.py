@@ -21,7 +21,7 @@ import math
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from itertools import accumulate, chain
+from itertools import accumulate
 from typing import NamedTuple, Optional
 
 import torch
@@ -495,7 +495,9 @@ class Engine:
         # minizero_lib/features.py's Engine, whose moves are its own; a plain run never loads it.
         optimizer, dtype = kw.get("optimizer", "adamw"), kw.get("dtype", torch.float32)
         extra = set(kw) - PLAIN - set(OPTIMIZERS.get(optimizer, ()))
-        if cls is Engine and (extra or optimizer not in OPTIMIZERS or dtype == torch.float16):
+        native = getattr(args[1] if len(args) > 1 else kw.get("comm"), "native", False)
+        if cls is Engine and (extra or optimizer not in OPTIMIZERS or dtype == torch.float16
+                              or native):  # (torch's collectives: started without waiting)
             cls = _lib("features").Engine
         return super().__new__(cls)
 
@@ -781,8 +783,9 @@ class Engine:
         self.skipped, self.skips_in_row = self.skipped + 1, self.skips_in_row + 1
         note = self._skipped_step()
         if self.skipped == 1 and self.comm.rank == 0:
-            warnings.warn(f"minizero: step {self.t + 1} skipped on every rank: non-finite gradients "
-                          f"on {where}; parameters, moments and step counts are unchanged{note}")
+            warnings.warn(f"minizero: step {self.t + 1} skipped on every rank: non-finite "
+                          f"gradients on {where}; parameters, moments and step counts are "
+                          f"unchanged{note}")
         if self.skips_in_row >= self.skip_limit:
             raise FloatingPointError(f"{self.skips_in_row} steps in a row skipped for non-finite "
                                      f"gradients (last seen on {where}); the model is as it was "

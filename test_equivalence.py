@@ -260,7 +260,7 @@ def test_native_collectives_keep_the_stages_equal(overlap):
         assert report.ok, f"\n{report}"
 
 
-def test_native_overlap_starts_collectives_in_flight_with_the_bits_of_waiting(monkeypatch):
+def test_native_overlap_starts_collectives_early_with_the_bits_of_waiting(monkeypatch):
     """On torch's collectives the engine starts each one itself, without waiting (ops.started:
     on threads its output is NaN until the wait), and gives the bits of overlap=False, where
     each finishes at once: nothing goes to the communication thread in a micro-batch whose jobs

@@ -1,14 +1,11 @@
 """
-Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in one file).
+Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in one file). Data
+needs no download: byte-level tokens (vocab 256) of the Python standard library's own sources.
 
     python train_gpt.py                          # 2 local CPU ranks (gloo), ZeRO stage 3
-    python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16
-    python train_gpt.py --optimizer muon         # or sgd, adafactor (default adamw)
+    python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16 --optimizer muon --data FILE
     torchrun --nproc-per-node 8 train_gpt.py --preset gpt2 --config ds_config.json
     torchrun --max-restarts 9 --nproc-per-node 8 train_gpt.py --out-dir D --resume  # survives kills
-
-Data needs no download: byte-level tokens (vocab 256) of the Python standard library's
-own sources, or of any text file given with --data.
 """
 import argparse
 import math
@@ -34,7 +31,6 @@ from minizero_lib.ds_config import (NANOGPT, banner, check_numbers, check_parall
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT; dropout off by default (each process's torch RNG draws its masks:
 # rank threads, as the tests run, would share one RNG)
-
 
 @dataclass
 class GPTConfig:
@@ -152,7 +148,6 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # data: bytes in, bytes out
 
-
 def stdlib_corpus(max_bytes=3_000_000):
     """The standard library's own .py files in sorted path order, concatenated and cut at
     max_bytes. site-packages is left out: it depends on what happens to be installed."""
@@ -192,7 +187,6 @@ def get_batch(split, batch_size, block_size, generator):
 
 # -----------------------------------------------------------------------------
 # configuration: defaults < --preset < --config (DeepSpeed JSON) < flags given
-
 
 DEFAULTS = dict(
     world_size=2, stage=3, dtype=None, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=True,
@@ -260,8 +254,7 @@ def parse_args(argv=None):
     opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
     opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
-    opt("--reduce-order", str, "tree: the same bits at any power-of-two world size (a restart on fewer ranks too)",
-        choices=["ring", "tree"])
+    opt("--reduce-order", str, "tree: the same bits at any power-of-two world size", choices=["ring", "tree"])
     opt("--reduce-every", str, "step: sum micro-batches locally, reduce once (DDP's no_sync)",
         choices=["micro_batch", "step"])
     opt("--reshard-after-forward", str, "stage 3: true, false (keep for backward), or N: hpZ, "
@@ -307,7 +300,6 @@ def check_data(path, block_size):
 
 # -----------------------------------------------------------------------------
 # training
-
 
 def get_lr(step, c, lr=None, min_lr=None):
     """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT); of c.lr, or of lr."""
@@ -418,10 +410,8 @@ def train(comm, cfg):
         sent_before, to_before, skipped = dict(comm.sent), dict(comm.sent_to), engine.skipped
         sync()
         t0 = time.perf_counter()
-        # (the tree's leaves: rank r's micro-batch j is leaf r·A + j of the step, at any N)
-        seeds = [(c.seed * 1_000_003 + step) * 4099 + rank * c.grad_accum + j
-                 for j in range(c.grad_accum)] if c.reduce_order == "tree" else None
-        loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device, seeds)
+        batches = resume.step_batches(data["train"], c, step, rank, N)
+        loss = train_step(model, engine, batches, device, resume.leaf_seeds(c, step, rank))
         sync()
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss))

@@ -113,7 +113,7 @@ class Flight:
             self.tracer.step(t)
 
     def end(self, rec, done=True):
-        """rec's collective is over; done=False: it was started and runs on (ops.in_flight), and
+        """rec's collective is over; done=False: it was started and runs on (ops.started), and
         this rank goes on outside it until its wait, which resumes it and ends it."""
         if done:
             rec[T1] = self.idle = time.perf_counter()

@@ -1,8 +1,18 @@
 """
-The formulas: what a rank holds and sends at each stage, for a layout of Ψ (padded)
-parameters, in bytes. The tests hold the engine's measurements (Engine.memory, .offloaded,
-comm.sent: measured below) to these, to the byte; the planner (cli.py) prints them for real
-models. Read after stages.py: each formula is the sum of what those functions keep and send.
+The formulas: what a rank holds and sends at each stage, for Ψ parameters on N ranks:
+
+    stage  params grads optimizer  bytes/rank (16-bit, AdamW)  sent per step
+    0      full   full  full       16Ψ                         2Ψ: reduce-scatter, all-gather grads
+    1      full   full  1/N        4Ψ + 12Ψ/N                  2Ψ: reduce-scatter, all-gather params
+    2      full   1/N   1/N        2Ψ + 14Ψ/N                  2Ψ: the same, scattered in backward
+    3      1/N    1/N   1/N        16Ψ/N                       3Ψ: gather fwd, bwd; reduce-scatter
+
+(2 bytes of param, 2 of grad, 12 of fp32 master, m and v per parameter; "Ψ sent": a ring
+collective over Ψ, each rank sending (N-1)/N·Ψ.) Below, the same in bytes, for a layout of Ψ
+(padded) parameters and every mode. The tests hold the engine's measurements (Engine.memory,
+.offloaded, comm.sent: measured below) to these, to the byte; the planner (cli.py) prints them
+for real models. Read after minizero.py: each formula is the sum of what its stage
+functions keep and send.
 """
 import resource
 
@@ -171,8 +181,8 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
     Stages 2-3's reduced gradient shards live only from a step's first reduction to its
     update: between steps, count the ones the next step makes; so too what a mode keeps
     within a step (reduce_every="step": stages 2-3's whole bucket; reduce_order="tree": its
-    partial sums; stage 3's unit kept gathered, or its secondary shard). On a CPU run what offload keeps in host memory is
-    on "the device" too: offloaded_held counts it."""
+    partial sums; stage 3's unit kept gathered, or its secondary shard). On a CPU run what
+    offload keeps in host memory is on "the device" too: offloaded_held counts it."""
     params = grads = opt = 0
     cut, rf = sharded(stage), reshard_after_forward
     own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)

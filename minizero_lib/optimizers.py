@@ -132,9 +132,10 @@ def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=
     """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
     minizero.update's elementwise pieces, then the whole-tensor ones. grad is the reduced
     gradient sum there; master and the state tensors (by key) are updated in place.
-    whole_rule: the unit's whole-tensor update ("muon", "adafactor" or None); gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
-    own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
-    `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
+    whole_rule: the unit's whole-tensor update ("muon", "adafactor" or None); gather(x) -> x's
+    whole unit, an all-gather every rank of such a unit calls, whatever its own range holds
+    (stage 0 holds the whole unit: None). Muon and Adafactor run on `device` (the model's),
+    also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)
     # offloaded: the update runs on the host; the gradient (on a GPU) comes over once,
     offloaded = grad.is_cuda and not master.is_cuda

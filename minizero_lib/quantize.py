@@ -7,7 +7,7 @@ codes and one fp32 scale per block, never what the master or the optimizer keep.
     gather_params(shard, flat, group, q)   qwZ: stage 3's all-gather of int8 messages
     reduce_scatter(x, comm, bits, block)   qgZ: the reduce-scatter as an all-to-all of int8/int4
                                            messages, summed in fp32 in rank order on the receiver
-    reduce_grads, all_reduce_replicas      stages.py's two gradient moves, quantized
+    reduce_grads, all_reduce_replicas      the two gradient moves (minizero, hybrid), quantized
 
 A block of `block` values is cut at amax = max|x| over the block: code = round(x/amax·Q)
 with Q = 127 (int8) or 7 (int4, two codes per byte), and back as code/Q·amax. The scale

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import minizero
-from minizero_lib import check, cli, hybrid, launch
+from minizero_lib import check, cli, hybrid, launch, planner
 from test_checkpoint import case, logical, train
 from test_equivalence import FIXED, Net, assert_same, cases, make, on_gloo, run_check
 
@@ -132,7 +132,7 @@ def test_bytes_inside_and_across_nodes_are_the_formulas(N, S, node):
             intra.append(sum(b for r, peer, b in sent if peer // node == r // node))
             inter.append(sum(b for r, peer, b in sent if peer // node != r // node))
         busiest = max(sum(b for peer, b in to.items() if peer // node != r // node) for r, (to, _) in enumerate(ranks))
-        expect = cli.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
+        expect = planner.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
         assert {"intra": max(intra), "inter": max(inter), "busiest": busiest} == expect, stage
 
 
@@ -214,14 +214,14 @@ def test_processes_at_a_shard_size():
 
 def test_ring_model_by_hand():
     """4 ranks on 2 nodes of 2, Ψ = 4000 bf16, 1 unit, 1 s per hop, 100 B/s inside a node, 10 across."""
-    links = cli.Links(intra=100.0, inter=10.0, latency=1.0)
+    links = planner.Links(intra=100.0, inter=10.0, latency=1.0)
     # hybrid 2x2: reduce-scatter and all-gather of Ψ inside a node, 2000 elements = 4000 B each at
     # 100 B/s, 1 hop each; the all-reduce of Ψ/2 between the nodes, 4000 B at 10 B/s, 2 hops
-    assert cli.ring_seconds(4000, 4, 0, 2, 2, links, 1) == (40 + 40 + 400, 1 + 1 + 2)
+    assert planner.ring_seconds(4000, 4, 0, 2, 2, links, 1) == (40 + 40 + 400, 1 + 1 + 2)
     # flat: one ring over both nodes, as slow as its slowest hop: 6000 B twice at 10 B/s, 3 hops each
-    assert cli.ring_seconds(4000, 4, 0, 2, 4, links, 1) == (1200, 6)
+    assert planner.ring_seconds(4000, 4, 0, 2, 4, links, 1) == (1200, 6)
     # stage 3 gathers twice per micro-batch: 3 collectives inside the node, per unit (5 units)
-    assert cli.ring_seconds(4000, 4, 3, 2, 2, links, 5) == (40 * 3 + 400, 5 * 3 + 5 * 2)
+    assert planner.ring_seconds(4000, 4, 3, 2, 2, links, 5) == (40 * 3 + 400, 5 * 3 + 5 * 2)
 
 
 def test_planner_at_1024_gpus(capsys):

@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 
 import minizero
 import ops
-from minizero_lib import cli, launch, optimizers
+from minizero_lib import launch, optimizers, planner
 from test_equivalence import FIXED, assert_same, make
 
 torch.set_num_threads(1)
@@ -84,7 +84,7 @@ def test_engine_casts_float_inputs_to_the_compute_dtype():
 
 
 def test_planner_prints_the_formula():
-    lines = cli.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
+    lines = planner.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
     for stage, line in enumerate(lines[2:]):
         b = minizero.model_state_bytes(7.5e9, 64, stage)
         assert f"{sum(b.values()) / 1e9:.2f}" in line
