@@ -182,6 +182,7 @@ def test_init_from_env_checks_local_rank_and_starts_nccl_at_once(monkeypatch):
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
     monkeypatch.setattr(ops, "ProcessComm", lambda *args: SimpleNamespace(rank=0, name="comm"))
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
     assert launch.init_from_env().name == "comm"
     assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", torch.device("cuda", 1))]
     monkeypatch.setenv("LOCAL_RANK", "2")

@@ -63,10 +63,10 @@ def test_a_plain_run_loads_no_feature():
            "        e.backward(m(torch.ones(2, 4)).float().sum())\n"
            "    e.step()\n"
            "ops.run_threads(body, 2, {})")
-    assert loaded(run) == ["minizero_lib.user_model"]
-    with_feature = loaded(run.replace("{})", "dict(reduce_every='step'))"))
-    assert "minizero_lib.features" in with_feature
-    assert [m for m in FEATURES if f"minizero_lib.{m}" in loaded(run)] == []
+    plain = loaded(run)
+    assert plain == ["minizero_lib.user_model"]
+    assert [m for m in FEATURES if f"minizero_lib.{m}" in plain] == []
+    assert "minizero_lib.features" in loaded(run.replace("{})", "dict(reduce_every='step'))"))
 
 
 class Net(nn.Module):
