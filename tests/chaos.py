@@ -315,6 +315,8 @@ def elastic(a, data):
           f"(largest value {max(x[k].abs().max().item() for k in x):.2f})" + (
               f": what differs is the summation order of the gradients ({a.world_size} ranks' "
               f"sums, then {a.elastic} ranks' of more micro-batches each)"
+              + (", and the dropout masks (each rank draws its own; --reduce-order tree draws "
+                 "each micro-batch's from its own seed)" if a.dropout else "")
               if a.reduce_order == "ring" else ""))
     # --reduce-order tree: the same bits at any world size, every val loss and the final state
     vals_same = all(r["val"] == vals[r["step"]] for r in log[boundary:] if "val" in r)
