@@ -1009,17 +1009,22 @@ def tensors(x):
             yield from tensors(getattr(x, name))
 
 
-def cast_floats(x, dtype):
-    """x with every float tensor in dtype, also inside tuples, namedtuples, lists and dicts."""
+def map_tensors(x, fn):
+    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
     if torch.is_tensor(x):
-        return x.to(dtype) if x.is_floating_point() else x
+        return fn(x)
     if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(cast_floats(y, dtype) for y in x))
+        return type(x)(*(map_tensors(y, fn) for y in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(cast_floats(y, dtype) for y in x)
+        return type(x)(map_tensors(y, fn) for y in x)
     if isinstance(x, dict):
-        return type(x)((k, cast_floats(v, dtype)) for k, v in x.items())
+        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
     return x
+
+
+def cast_floats(x, dtype):
+    """x with every float tensor in dtype (the rest as it is)."""
+    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
 
 # Names the package adds to this module's, loaded on first use (PEP 562): the proof as a

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from minizero_lib.user_model import map_tensors
+from minizero import map_tensors
 
 # The ledger's kinds (comm.sent's keys) that the bytes formula speaks of.
 SENT_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "optimizer", "hpz_gather")

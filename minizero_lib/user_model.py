@@ -196,16 +196,3 @@ def materialize(named, owners, device, init):
         init(name, q)
         out.append((name, q))
     return out
-
-
-def map_tensors(x, fn):
-    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
-    if torch.is_tensor(x):
-        return fn(x)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(map_tensors(y, fn) for y in x))
-    if isinstance(x, (tuple, list)):
-        return type(x)(map_tensors(y, fn) for y in x)
-    if isinstance(x, dict):
-        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
-    return x

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import minizero
-from minizero_lib import check, cli, optimizers, user_model
+from minizero_lib import check, cli, optimizers
 from minizero_lib.report import to_device
 
 torch.set_num_threads(1)
@@ -307,7 +307,7 @@ def test_batches_in_containers_reach_the_device():
     lists and dicts (here with a function that marks them, as the CPU cannot move them)."""
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": (torch.zeros(2), [torch.zeros(1, dtype=torch.long)]), "b": Pair(torch.ones(1), 3), "c": "text"}
-    out = user_model.map_tensors(batch, lambda t: t + 1)
+    out = minizero.map_tensors(batch, lambda t: t + 1)
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
