@@ -1,10 +1,11 @@
 """
-The communication layer of minizero: ring collectives written on a communicator whose one
-point-to-point operation is an exchange (send to one rank and receive from another, as one
-group). In reading order: the collectives; Comm, what every communicator has; its transports,
-ThreadComm (ranks are threads of this process, on the CPU or one shared GPU: the tests) and
-ProcessComm (processes on gloo or nccl), started by launch.py; Group and split (hybrid
-sharding); the details of torch's own collectives; check_same.
+The communication layer of minizero, its ground floor: ring collectives written on a
+communicator whose one point-to-point operation is an exchange (send to one rank and receive
+from another, as one group). In reading order: the collectives; Comm, what every communicator
+has; its transports, ThreadComm (ranks are threads of this process: run_threads) and
+ProcessComm (processes on gloo or nccl, started by minizero_lib/launch.py or torchrun); the
+details of torch's own collectives. It imports nothing of the project: the flight
+record (minizero_lib/flight.py) attaches from above, where the ranks are launched.
 
     reduce_scatter(x) -> shard      rank r ends with chunk r of the sum over ranks
     all_gather(shard) -> full       every rank ends with every rank's chunk
@@ -19,21 +20,18 @@ own collectives (NCCL on GPU), which sum in an order of their own.
 """
 import contextlib
 import functools
-import hashlib
+import queue
+import threading
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from minizero_lib import flight
-from minizero_lib.flight import (DTYPE_CODE, FAILED, CollectiveMismatch,  # noqa: F401
-                                 CollectiveStall, Flight, PeerFailed)
-
 
 # -----------------------------------------------------------------------------
-# the collectives, as rings of exchanges (comm: a ThreadComm, a ProcessComm or a Group)
+# the collectives, as rings of exchanges (comm: a ThreadComm, a ProcessComm, or a group of
+# either: minizero_lib/hybrid.py)
 
 def _chunks(x, n):
     if x.dim() != 1 or x.numel() % n:
@@ -43,8 +41,8 @@ def _chunks(x, n):
 
 
 def _recorded(op):
-    """A collective's entry point: one record in comm.flight (flight.py) from its start to its
-    end (in flight: its wait); one that raises stays the rank's current one, for the diagnosis."""
+    """A collective's entry point: one record in comm.flight from its start to its end (if
+    started without waiting: its wait); one that raises stays the rank's current one."""
     def wrap(fn):
         @functools.wraps(fn)
         def collective(x, comm, *args, **kw):
@@ -136,18 +134,73 @@ def broadcast(x, comm, src=0, kind="broadcast"):
 # -----------------------------------------------------------------------------
 # the communicator: what every transport has; a transport says how a message travels
 
+FAILED = "minizero/failed"  # the process group's store key: set once the world is broken
+# a message header's dtype codes (ProcessComm)
+DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
+              torch.int64: 5, torch.int32: 6, torch.uint8: 7, torch.bool: 8}
+
+
 class Pending:
-    """An operation in flight (an exchange, a job on the engine's communication thread);
+    """An operation under way (an exchange, a job on the engine's communication thread);
     wait() finishes it and returns its result. The one handle type of minizero."""
 
     def __init__(self, wait):
         self.wait = wait
 
 
+class NoRecord:
+    """What a communicator keeps of its collectives until a flight record is attached (the
+    launchers of minizero_lib/launch.py attach minizero_lib/flight.py's): nothing. These are
+    the calls the collectives and the engine make on it."""
+    failed = None                 # once the world is broken: the error every collective raises
+    current = None                # the collective running now
+    tag = (0, 0, 0, -1, 1, 0)     # what a message's header says of it
+    ctx = ("", -1, 0, 0, True)    # the engine's phase, unit, step, micro-batch, grad mode
+
+    def start(self, op, kind, t):
+        return None
+
+    def end(self, rec, done=True):
+        pass
+
+    def resume(self, rec):
+        pass
+
+    def within(self, ctx, job):
+        return job
+
+    def stepped(self, t):
+        pass
+
+    def diagnose(self, comm, reason, incident, timeout=None):
+        """The error a broken world raises: with no records to compare, the reason alone."""
+        return (CollectiveStall if timeout else CollectiveMismatch)(reason, None)
+
+
+class PeerFailed(RuntimeError):
+    """Raised on a rank whose peer failed or went silent: the world cannot go on."""
+
+
+class CollectiveMismatch(ValueError):
+    """The ranks are in different collectives: they would sum garbage or hang."""
+
+    def __init__(self, message, culprit):
+        super().__init__(message)
+        self.culprit = culprit  # the rank whose collectives went their own way (None: unknown)
+
+
+class CollectiveStall(PeerFailed):
+    """A rank waited past the timeout: some rank never arrived."""
+
+    def __init__(self, message, culprit):
+        super().__init__(message)
+        self.culprit = culprit  # the rank that never arrived (None: unknown)
+
+
 class Comm:
-    """What every communicator has: its place, the ledgers of the bytes it sent, its flight
-    record, and exchange, the one point-to-point operation the rings run on. A transport says
-    how a message travels (_post) and how torch's own collectives run (run_native)."""
+    """What every communicator has: its place, the ledgers of the bytes it sent, its record
+    of collectives, and exchange, the one point-to-point operation the rings run on. A
+    transport says how a message travels (_post) and how torch's own collectives run."""
 
     def __init__(self, rank, world_size, device, headers=False, native=False):
         self.rank = rank              # this rank's number, 0 .. world_size-1
@@ -157,8 +210,9 @@ class Comm:
         # (ProcessComm(check=True)); a thread's message carries one for free: threads say False.
         self.headers = headers
         self.native = native  # torch's own collectives instead of the ring
-        self.flying = None  # inside in_flight(): the waits of the native collectives started there
-        self.flight = Flight(rank)  # the last collectives (flight.py), read when the world breaks
+        self.unfinished = None  # inside started(): waits of the native collectives started there
+        # the last collectives, read when the world breaks (flight.py attaches one from above)
+        self.flight = NoRecord()
         self.sent = Counter()  # collective kind -> payload bytes this rank has sent
         self.sent_to = Counter()  # peer (global rank) -> payload bytes this rank has sent it
 
@@ -192,16 +246,64 @@ def _halves(kind, send, dst, recv, src):
 
 
 # -----------------------------------------------------------------------------
-# transport 1: threads in one process, whose world (launch.ThreadWorld) moves the messages:
-# one queue per (src, dst) pair, each message with its kind and record tag, checked on receipt,
-# and on a GPU an event the receiver's stream waits for (every rank thread computes on a CUDA
-# stream of its own). With strict_p2p=True they follow NCCL's rules instead (nccl_model.py).
+# transport 1: threads in one process, whose world moves the messages, one queue per (src, dst)
+# pair. run_threads and ThreadWorld are all a ring needs; launch.run_threads and its world add
+# what the tests need: every message checked on receipt, a failed rank named, NCCL's rules
+# (strict_p2p), a GPU's streams, torch's own collectives.
+
+class ThreadWorld:
+    """What the rank threads of one process share: a message queue per (src, dst) pair."""
+    p2p = None  # NCCL's point-to-point rules, modelled (launch.ThreadWorld(strict=True))
+
+    def __init__(self, world_size, device="cpu", timeout=60.0):
+        self.world_size = world_size  # the number of rank threads
+        self.device = torch.device(device)  # where every rank computes
+        self.timeout = timeout        # seconds a rank waits for a message, then gives up
+        self.queues = {(s, d): queue.SimpleQueue()
+                       for s in range(world_size) for d in range(world_size)}
+
+    def post(self, me, dst, kind, send):
+        """me (a ThreadComm) sends a copy of `send` to rank dst: queues never block."""
+        self.queues[me.rank, dst].put(send.detach().clone())
+
+    def take(self, me, src, kind, t):
+        """me receives into t the next message from rank src."""
+        try:
+            t.copy_(self.queues[src, me.rank].get(timeout=self.timeout))
+        except queue.Empty:
+            raise PeerFailed(f"rank {me.rank} had no message from rank {src} within "
+                             f"{self.timeout}s ({_describe(kind, t)})") from None
+
+    def meet(self, me, op, x, out, kind, ranks):
+        raise ValueError("torch's own collectives (native) on thread ranks need the world of "
+                         "minizero_lib.launch.run_threads")
+
+
+def run_threads(fn, world_size, *args):
+    """Run fn(comm, *args) on world_size thread ranks of this process -> each rank's result,
+    in rank order; a rank's error is raised here (the others give up after the timeout)."""
+    world = ThreadWorld(world_size)
+    results, errors = [None] * world_size, []
+
+    def main(rank):
+        try:
+            results[rank] = fn(ThreadComm(rank, world), *args)
+        except BaseException as e:  # noqa: B902 (handed to the caller)
+            errors.append(e)
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
 
 class ThreadComm(Comm):
     def __init__(self, rank, world):
         super().__init__(rank, world.world_size, world.device)
-        self.world = world  # what the rank threads share: queues, meetings, every flight record
-        world.flights[rank] = self.flight
+        self.world = world  # what the rank threads share: the queues (launch's: more)
 
     def _post(self, send, dst, recv, src, kind):
         if self.world.p2p is not None:
@@ -212,10 +314,10 @@ class ThreadComm(Comm):
 
     def run_native(self, op, x, out, kind, ranks=None):
         """The thread world's native collective over `ranks` (global numbers; all by default):
-        the ranks meet in shared memory (launch.ThreadWorld.meet). In flight it models torch's
+        the ranks meet in shared memory (launch.ThreadWorld.meet). Started it models torch's
         async_op as strictly as any transport may run it: the ranks meet at the wait (x is read
         then), and until then out holds NaN, so reading it early or writing x shows."""
-        if self.flying is None:
+        if self.unfinished is None:
             return self.world.meet(self, op, x, out, kind, ranks)
         keep = x.detach().clone()
         out.fill_(float("nan"))
@@ -225,8 +327,8 @@ class ThreadComm(Comm):
         def wait():
             bits = [t.detach().reshape(-1).view(torch.uint8) for t in (x, held)]
             if not torch.equal(*bits):
-                raise RuntimeError(f"rank {self.rank}: the input of a native {kind} in flight was "
-                                   f"written before its wait")
+                raise RuntimeError(f"rank {self.rank}: the input of a native {kind} started "
+                                   f"(ops.started) was written before its wait")
             self.world.meet(self, op, keep, out, kind, ranks)
         return _finish(self, wait, out)
 
@@ -244,10 +346,9 @@ class ProcessComm(Comm):
         device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         super().__init__(dist.get_rank(), dist.get_world_size(), device, check, native)
         self.timeout = timedelta(seconds=timeout)  # how long a transfer may take: then a stall
-        self.groups = {}  # ranks -> their torch process group, for native collectives in a Group
+        self.groups = {}  # ranks -> their torch process group, for native collectives in groups
         # Where ranks leave their records; a thread answers for this rank, however busy.
         self.store = store or dist.distributed_c10d._get_default_store()
-        flight.watch(self.store, self.flight, self.world_size)
         # torch's rule for batch_isend_irecv on NCCL: the first call on the group is one every
         # rank takes part in (DESIGN.md §9).
         if self.device.type == "cuda":
@@ -279,9 +380,8 @@ class ProcessComm(Comm):
             if not self.store.check([FAILED]):
                 self.store.set(FAILED, reason)
         incident = "fail" if latch else f"x{self.flight.tag[0]}"
-        snaps = flight.exchange_snapshots(self.store, self.flight, self.world_size, incident)
-        raise flight.diagnose(snaps, self.world_size, reason, self.rank,
-                              self.timeout.total_seconds() if stall else None)
+        raise self.flight.diagnose(self, reason, incident,
+                                   self.timeout.total_seconds() if stall else None)
 
     def _guard(self, what, op):
         """Run op, which starts or finishes a transfer. Once a peer is gone, gloo raises in either
@@ -330,7 +430,7 @@ class ProcessComm(Comm):
         ranks = tuple(ranks or range(self.world_size))
         if len(ranks) < self.world_size and ranks not in self.groups:
             raise ValueError(f"no torch process group for ranks {ranks}: make it with "
-                             f"comm.make_groups (ops.split does)")
+                             f"comm.make_groups (hybrid.split does)")
         group = self.groups.get(ranks)
         if self.headers:
             h = self._header(kind, x, self.device)
@@ -350,7 +450,7 @@ class ProcessComm(Comm):
         return _finish(self, lambda: self._guard(kind, lambda: (x, out, self._wait(work))), out)
 
     def make_groups(self, rank_lists):
-        """torch's process groups for native collectives inside Groups. dist.new_group is a
+        """torch's process groups for native collectives inside groups. dist.new_group is a
         collective of the whole world: every rank makes every group, in the same order."""
         for ranks in rank_lists:
             if 1 < len(ranks) < self.world_size and ranks not in self.groups:
@@ -358,63 +458,7 @@ class ProcessComm(Comm):
 
 
 # -----------------------------------------------------------------------------
-# groups: some of the ranks as a world of their own (hybrid sharding, DESIGN.md §10). A
-# reader of plain ZeRO can skip this: without shard_size every collective runs on comm.
-
-class Group:
-    """The ranks `ranks` (global numbers, in ring order) of comm as a world of their own: rank
-    and world_size are the group's, peers are translated to comm's numbers, and all else
-    (ledgers, flight, native, headers, device) is comm's, read live, so the rings run unchanged.
-    A view, not a Comm: copies of comm's fields would go stale (bench swaps comm.flight)."""
-
-    def __init__(self, comm, ranks):
-        self.comm = comm                         # the whole world's communicator
-        self.ranks = tuple(ranks)                # group rank i is global rank ranks[i]
-        self.rank = self.ranks.index(comm.rank)  # this rank's place in the group
-        self.world_size = len(self.ranks)        # the number of ranks in the group's ring
-        self.sent, self.sent_to, self.device = comm.sent, comm.sent_to, comm.device  # comm's
-
-    # comm's choices (Engine(native=...) sets them there), record, and waits in flight.
-    native = property(lambda self: self.comm.native)
-    headers = property(lambda self: self.comm.headers)
-    flight = property(lambda self: self.comm.flight)
-    flying = property(lambda g: g.comm.flying, lambda g, waits: setattr(g.comm, "flying", waits))
-
-    def book(self, kind, dst, nbytes):
-        self.comm.book(kind, self.ranks[dst], nbytes)
-
-    # The same exchange as every communicator's: wait on iexchange.
-    exchange = Comm.exchange
-
-    def iexchange(self, send, dst, recv, src, kind="p2p"):
-        dst, src = (None if r is None else self.ranks[r] for r in (dst, src))
-        return self.comm.iexchange(send, dst, recv, src, kind)
-
-    def run_native(self, op, x, out, kind):
-        return self.comm.run_native(op, x, out, kind, self.ranks)
-
-
-def split(comm, shard_size):
-    """Hybrid sharding's two groups of this rank -> (shards, replicas): shards is its group of
-    shard_size consecutive ranks (a node, under torchrun), replicas the ranks at its position
-    in every such group. shard_size = world size (or None) is plain ZeRO: (comm, a group of 1)."""
-    n, s = comm.world_size, comm.world_size if shard_size is None else shard_size
-    if not isinstance(s, int) or s < 1 or n % s:
-        raise ValueError(f"shard_size must divide the world size {n} (units are sharded over "
-                         f"groups of shard_size ranks and copied across world_size/shard_size "
-                         f"groups); got {s!r}: use one of "
-                         f"{[d for d in range(1, n + 1) if n % d == 0]}")
-    if s == n:
-        return comm, Group(comm, [comm.rank])
-    shards = [tuple(range(g, g + s)) for g in range(0, n, s)]
-    replicas = [tuple(range(p, n, s)) for p in range(s)]
-    # torch's groups, for the native path: every rank makes all.
-    comm.make_groups(shards + replicas)
-    return Group(comm, shards[comm.rank // s]), Group(comm, replicas[comm.rank % s])
-
-
-# -----------------------------------------------------------------------------
-# torch's own collectives (comm.native): started in flight, and the engine's overlap thread
+# torch's own collectives (comm.native), and how the engine starts them without waiting
 
 # *_single in newer torch, *_tensor in older (same arguments).
 _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor),
@@ -422,12 +466,13 @@ _NATIVE = {"reduce_scatter": getattr(dist, "reduce_scatter_single", dist.reduce_
 
 
 @contextlib.contextmanager
-def in_flight(comm):
+def started(comm):
     """Inside, torch's own collectives (comm.native) are started, not finished (async_op=True):
     the caller goes on while they run, and must neither read their outputs nor write their
     inputs until the Pending this yields is waited (how the engine overlaps them with backward,
     as DDP and FSDP2 do). Ring collectives still finish inside: a hop waits for the one before."""
-    waits = comm.flying = []
+    waits = comm.unfinished = []
+
     # In the order they started; a second wait() finds nothing left.
     def wait():
         while waits:
@@ -435,13 +480,13 @@ def in_flight(comm):
     try:
         yield Pending(wait)
     finally:
-        comm.flying = None
+        comm.unfinished = None
 
 
 def _finish(comm, wait, out):
-    """A native collective has started: finish it now, or, in flight, at in_flight's wait. Its
-    flight record stays open until then (a rank stalled in the wait is in that collective)."""
-    if comm.flying is None:
+    """A native collective has started: finish it now, or, inside started(), at its wait. Its
+    record stays open until then (a rank stalled in the wait is in that collective)."""
+    if comm.unfinished is None:
         wait()
         return out
     rec = comm.flight.current
@@ -451,50 +496,5 @@ def _finish(comm, wait, out):
         comm.flight.resume(rec)
         wait()
         comm.flight.end(rec)
-    comm.flying.append(finish)
+    comm.unfinished.append(finish)
     return out
-
-
-def comm_thread(comm):
-    """One thread that runs a rank's communication jobs in order (the engine's overlap). On
-    a GPU it first makes the rank's device current: a new thread starts on device 0, where
-    its CUDA calls would make a context for every rank (and NCCL needs the right device)."""
-    cuda = comm.device.type == "cuda"
-    return ThreadPoolExecutor(1, thread_name_prefix=f"minizero-comm{comm.rank}",
-                              initializer=torch.cuda.set_device if cuda else None,
-                              initargs=(comm.device,) if cuda else ())
-
-
-# -----------------------------------------------------------------------------
-# a check on top of the collectives: every rank holds the same strings
-
-def check_same(entries, comm, what, fix, kind="fingerprint"):
-    """Collective: every rank must hold the same list of strings. Two small all-gathers when
-    they agree (a count and a hash); else every rank raises, naming the first entry that differs
-    as rank 0 and the first other rank with it see it. Sizes agree on every rank at every step,
-    so this works without message headers (check=False) too."""
-    if comm.world_size == 1:
-        return
-    digest = [_hash(e) for e in entries]
-    whole = _hash("\n".join(entries))
-    # NCCL moves only CUDA tensors; the comparisons below run on the CPU.
-    dev = comm.device
-    heads = all_gather(torch.tensor([len(entries), whole], device=dev), comm, kind=kind)
-    heads = heads.view(-1, 2).cpu()
-    if (heads == heads[0]).all():
-        return
-    longest = int(heads[:, 0].max())
-    mine = torch.zeros(longest, dtype=torch.int64)
-    mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
-    table = all_gather(mine.to(dev), comm, kind=kind).view(comm.world_size, -1).cpu()
-    i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest)
-               if table[k, i] != table[0, i])
-    say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
-    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8).to(dev), comm,
-                      kind=kind).view(comm.world_size, -1).cpu()
-    theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
-    raise ValueError(f"{what} #{i} is '{theirs[0]}' on rank 0 but '{theirs[1]}' on rank {k}; {fix}")
-
-
-def _hash(s):
-    return int.from_bytes(hashlib.sha256(s.encode()).digest()[:8], "little", signed=True)

@@ -32,15 +32,12 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from hypothesis import event, given
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from minizero_lib import check
-from minizero_lib import engine
-from minizero_lib import overlap
 import minizero
-from minizero_lib import launch
 import ops
+from minizero_lib import check, launch
 
 torch.set_num_threads(1)  # ranks are threads: keep each one's kernels single-threaded
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -114,8 +111,9 @@ def cases(draw):
     c["engine"] = dict(lr=draw(st.floats(1e-3, 1e-1)), weight_decay=draw(st.sampled_from([0.0, 0.01, 0.1])),
                        eps=draw(st.sampled_from([1e-8, 1e-3])),
                        clip=draw(st.sampled_from([None, 2.0]) | st.floats(0.01, 0.3)),  # mostly biting
-                       grad_accum=c["grad_accum"], dtype=c["dtype"], overlap=draw(st.booleans()),
-                       native=draw(st.integers(0, 4)) == 0)
+                       grad_accum=c["grad_accum"], dtype=c["dtype"], overlap=draw(st.booleans()))
+    if draw(st.integers(0, 4)) == 0:  # (a feature: an example without one runs plain ZeRO's engine)
+        c["engine"]["native"] = True
     c["engine"].update(draw(optimizers(c["engine"].pop("eps"))))
     if draw(st.booleans()):  # nanoGPT's rule: no decay for biases, norms and other vectors
         c["engine"]["decay"] = lambda name, p: p.dim() >= 2
@@ -133,7 +131,8 @@ def cases(draw):
     # one reduction per step (DDP's no_sync); stage 3 kept gathered, or hpZ's G ranks ("hpz":
     # reshard()). Read off the drawn seed, not drawn: the CI's derandomized examples stay the
     # ones they were, each now in a mode
-    c["engine"]["reduce_every"] = ("micro_batch", "step", "micro_batch")[c["seed"] % 3]
+    if c["seed"] % 3 == 1:
+        c["engine"]["reduce_every"] = "step"
     c["reshard"] = (True, False, True, "hpz")[c["seed"] // 3 % 4]
     return c
 
@@ -186,12 +185,12 @@ def reshard(c):
 
 def run_check(c, **kw):
     model, batches = make(c)
-    kw = {"reshard_after_forward": reshard(c), **kw}
+    kw = {**({"reshard_after_forward": reshard(c)} if reshard(c) is not True else {}), **kw}
     apart = c.get("tie_layers") and c["engine"].get("units") is not UNITS["one"]  # tied across two units
     return minizero.check(lambda: model, lambda step, rank, micro: batches[step][micro][rank],
-                          world_sizes=(c["world_size"],), steps=c["steps"], jitter=c["jitter"], device=DEVICE,
-                          strict_p2p=c.get("strict_p2p", False),
-                          **{"stages": (0, 1, 2) if apart else (0, 1, 2, 3), **c["engine"], **kw})
+                          steps=c["steps"], jitter=c["jitter"], device=DEVICE, strict_p2p=c.get("strict_p2p", False),
+                          **{"world_sizes": (c["world_size"],), "stages": (0, 1, 2) if apart else (0, 1, 2, 3),
+                             **c["engine"], **kw})
 
 
 def assert_same(a, b):
@@ -215,6 +214,32 @@ def test_stages_are_bit_identical_to_ddp_and_ddp_is_torch(c):
     event(f"stages {len(report.rows)}")
 
 
+@st.composite
+def tree_cases(draw):
+    """A case of cases() under reduce_order="tree", at two power-of-two world sizes: the same
+    step of G leaves (rank r's micro-batch j is leaf r·A + j) at each, with grad_accum A a
+    power of two at the larger one. Without buffers the forward updates (rank 0's, so N's)."""
+    c = draw(cases())
+    sizes = draw(st.lists(st.sampled_from([1, 2, 4, 8]), min_size=2, max_size=2, unique=True))
+    A = draw(st.sampled_from([2, 1, 4, 2]))
+    c.update(world_size=max(sizes), sizes=tuple(sorted(sizes)), grad_accum=A, stat=False,
+             strict_p2p=False, reshard=c["reshard"] if c["reshard"] != "hpz" else True)
+    c["engine"].update(grad_accum=A, reduce_order="tree")
+    c["engine"].pop("native", None)  # (torch's collectives sum in an order of their own)
+    return c
+
+
+@settings(max_examples=max(5, settings().max_examples // 8))
+@given(tree_cases())
+def test_the_tree_gives_the_same_bits_at_every_world_size(c):
+    """reduce_order="tree": the trained state after every step is the same bits at both world
+    sizes, at every stage (every stage held to stage 0, every world size to the first)."""
+    report = run_check(c, world_sizes=c["sizes"])
+    assert report.ok, f"\n{report}"
+    assert {r.world_size for r in report.rows} == set(c["sizes"])
+    event(f"world sizes {c['sizes']}, grad_accum {c['grad_accum']}, {str(c['dtype'])[6:]}")
+
+
 # -----------------------------------------------------------------------------
 # fixed cases: torch's own collectives, and the same code on real processes (gloo)
 
@@ -235,24 +260,23 @@ def test_native_collectives_keep_the_stages_equal(overlap):
         assert report.ok, f"\n{report}"
 
 
-def test_native_overlap_starts_collectives_in_flight_with_the_bits_of_waiting(monkeypatch):
-    """On torch's collectives the engine starts each one itself, in flight (ops.in_flight: on
-    threads its output is NaN until the wait), and gives the bits of overlap=False, where each
-    finishes at once: nothing goes to the communication thread in a micro-batch whose jobs
+def test_native_overlap_starts_collectives_early_with_the_bits_of_waiting(monkeypatch):
+    """On torch's collectives the engine starts each one itself, without waiting (ops.started:
+    on threads its output is NaN until the wait), and gives the bits of overlap=False, where
+    each finishes at once: nothing goes to the communication thread in a micro-batch whose jobs
     are one collective each (the first), the later ones of accumulation (adding to the sum) do."""
-    jobs, real = [], overlap.comm_thread
+    jobs, real = [], minizero.CommQueue.submit
 
-    def counted(comm):  # the communication thread, counting its jobs
-        pool = real(comm)
-        submit = pool.submit
-        pool.submit = lambda job: (jobs.append(comm.rank), submit(job))[1]
-        return pool
-    monkeypatch.setattr(overlap, "comm_thread", counted)
+    def counted(queue, job, record):  # the communication thread's jobs, counted
+        if queue.pool is not None:
+            jobs.append(queue.comm.rank)
+        return real(queue, job, record)
+    monkeypatch.setattr(minizero.CommQueue, "submit", counted)
     model_spec = lambda **kw: dict(_spec(FIXED[0]), engine_kw=dict(FIXED[0]["engine"], native=True, **kw))  # noqa: E731
     for stage in (0, 3):
         for accum in (1, 2):
             jobs.clear()
-            runs = [launch.run_threads(check._rank, 3, stage, model_spec(overlap=o, grad_accum=accum))
+            runs = [launch.run_threads(check.rank_run, 3, stage, model_spec(overlap=o, grad_accum=accum))
                     for o in (True, False)]
             assert (len(jobs) == 0) == (accum == 1), (stage, accum, len(jobs))
             for a, b in zip(*runs):
@@ -314,9 +338,9 @@ def _fixed_batch(step, rank, micro):
 def gloo_world(comm):
     """Every stage of every fixed case (check's own per-rank run), and torch's DDP."""
     torch.set_num_threads(1)
-    ours = [[check._rank(comm, s, _spec(c)) for s in range(4)] for c in FIXED]
+    ours = [[check.rank_run(comm, s, _spec(c)) for s in range(4)] for c in FIXED]
     once = dict(FIXED[0], engine=dict(FIXED[0]["engine"], reduce_every="step"))
-    return ours, torch_ddp(comm, FIXED[0]), check._rank(comm, 0, _spec(once))
+    return ours, torch_ddp(comm, FIXED[0]), check.rank_run(comm, 0, _spec(once))
 
 
 def _spec(c):
@@ -327,9 +351,9 @@ def _spec(c):
 
 def torch_ddp(comm, c):
     """Stage 0's case under torch.nn.parallel.DistributedDataParallel and torch AdamW, from
-    ranks built with other values (as check._rank builds ours): DDP broadcasts rank 0's."""
+    ranks built with other values (as check.rank_run builds ours): DDP broadcasts rank 0's."""
     model, batches = make(c)
-    check._perturb(model, comm.rank)
+    check.perturb(model, comm.rank)
     ddp = nn.parallel.DistributedDataParallel(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
     kw = c["engine"]
@@ -358,7 +382,7 @@ def gloo_results():
 @on_gloo
 def test_processes_equal_threads_bit_for_bit(gloo_results):
     for i, c in enumerate(FIXED):
-        threads = {s: launch.run_threads(check._rank, 3, s, _spec(c)) for s in range(4)}
+        threads = {s: launch.run_threads(check.rank_run, 3, s, _spec(c)) for s in range(4)}
         for rank, (ours, *_) in enumerate(gloo_results):
             for s in range(4):
                 for a, b in zip(ours[i][s].history, threads[s][rank].history):

@@ -1,14 +1,11 @@
 """
-Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in one file).
+Train a small GPT with minizero, in the shape of nanoGPT (model.py + train.py in one file). Data
+needs no download: byte-level tokens (vocab 256) of the Python standard library's own sources.
 
     python train_gpt.py                          # 2 local CPU ranks (gloo), ZeRO stage 3
-    python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16
-    python train_gpt.py --optimizer muon         # or sgd, adafactor (default adamw)
+    python train_gpt.py --world-size 4 --stage 2 --dtype bfloat16 --optimizer muon --data FILE
     torchrun --nproc-per-node 8 train_gpt.py --preset gpt2 --config ds_config.json
     torchrun --max-restarts 9 --nproc-per-node 8 train_gpt.py --out-dir D --resume  # survives kills
-
-Data needs no download: byte-level tokens (vocab 256) of the Python standard library's
-own sources, or of any text file given with --data.
 """
 import argparse
 import math
@@ -27,13 +24,13 @@ import torch.nn.functional as F
 import minizero
 import ops
 from minizero_lib import checkpoint, compiled, launch, resume
-from minizero_lib.ds_config import (check_mesh, check_quantized, grad_accum_for, parse_ds_config,
+from minizero_lib.ds_config import (NANOGPT, banner, check_numbers, check_parallel, dtype_arg, flag_bool,
+                                    grad_accum_for, merge, micro_batch_for, optimizer_options, read_ds_config,
                                     read_json, reshard_arg, shard_size)
 
 # -----------------------------------------------------------------------------
 # the model: nanoGPT's GPT; dropout off by default (each process's torch RNG draws its masks:
 # rank threads, as the tests run, would share one RNG)
-
 
 @dataclass
 class GPTConfig:
@@ -151,7 +148,6 @@ class GPT(nn.Module):
 # -----------------------------------------------------------------------------
 # data: bytes in, bytes out
 
-
 def stdlib_corpus(max_bytes=3_000_000):
     """The standard library's own .py files in sorted path order, concatenated and cut at
     max_bytes. site-packages is left out: it depends on what happens to be installed."""
@@ -192,7 +188,6 @@ def get_batch(split, batch_size, block_size, generator):
 # -----------------------------------------------------------------------------
 # configuration: defaults < --preset < --config (DeepSpeed JSON) < flags given
 
-
 DEFAULTS = dict(
     world_size=2, stage=3, dtype=None, n_layer=4, n_head=4, n_embd=128, block_size=64, bias=True,
     batch_size=16, grad_accum=1, steps=400, lr=3e-3, min_lr=3e-4, warmup=30, clip=1.0,
@@ -202,6 +197,7 @@ DEFAULTS = dict(
     sample_tokens=200, global_batch=None, offload=None, offload_dir=None, pin_memory=True, shard_size=None,
     trace=None, optimizer="adamw", muon_lr=0.05, momentum=None, reduce_every="micro_batch",
     reshard_after_forward="true", compile=False, quantize_weights=None, quantize_grads=None,
+    offload_params=False, loss_scale=2.0 ** 16, scale_window=1000, reduce_dtype=None, reduce_order="ring",
 )
 OPTIMIZER_DEFAULTS = {  # the demo's choices per optimizer (under --config and flags): SGD with momentum,
     "sgd": dict(lr=0.3, min_lr=0.03, momentum=0.9, weight_decay=0.0),  # Adafactor at torch's lr (a relative step)
@@ -214,21 +210,30 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # allow_abbrev=False: a typo is an error, never another flag that it happens to begin
+    p = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
 
     def opt(name, typ=None, help="", **kw):  # default None: we can tell which flags were given
+        key = name[2:].replace("-", "_")
         kw.update(type=typ) if typ else None
-        p.add_argument(name, help=f"{help} (default: {DEFAULTS[name[2:].replace('-', '_')]})".strip(), **kw)
+        # a flag that takes a value, also with underscores, and under nanoGPT's name if it has one
+        nano = NANOGPT.get(key, key)
+        names = [name] + ([f"--{n}" for n in (key, nano, nano.replace("_", "-"))] if typ else [])
+        p.add_argument(*dict.fromkeys(names), dest=key, help=f"{help} (default: {DEFAULTS[key]})".strip(), **kw)
     opt("--world-size", int, "local ranks to spawn when not under torchrun")
     opt("--stage", int, "0 = DDP, 1-3 = ZeRO stages", choices=range(4))
     opt("--shard-size", str, "hybrid sharding: shard over groups of this many ranks, copy across the groups; "
         "'node': torchrun's LOCAL_WORLD_SIZE; None: all ranks")
-    opt("--dtype", str, "compute dtype; None: bfloat16 on GPU, float32 on CPU", choices=list(DTYPES))
+    opt("--dtype", dtype_arg, "compute dtype: fp32 (float32), bf16 (bfloat16) or fp16 "
+        "(float16); None: bfloat16 on GPU, float32 on CPU", metavar="DTYPE")
     for name in ("n-layer", "n-head", "n-embd", "block-size", "batch-size", "grad-accum", "steps",
-                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens", "quantize-weights", "quantize-grads"):
-        opt("--" + name, int)
-    for name in ("lr", "min-lr", "clip"):
-        opt("--" + name, float)
+                 "warmup", "eval-interval", "eval-iters", "seed", "sample-tokens"):
+        opt("--" + name, int, metavar="N")
+    opt("--quantize-weights", int, "ZeRO++ qwZ: stage 3 all-gathers int8 codes", choices=[8])
+    opt("--quantize-grads", int, "ZeRO++ qgZ: gradients sent as int8 or int4 codes", choices=[8, 4])
+    for name in ("lr", "min-lr", "clip", "weight-decay"):
+        opt("--" + name, float, metavar="X")
     opt("--out-dir", str, "save checkpoints here (step-N folders, the last two kept) and log.jsonl")
     opt("--save-interval", int, "save every this many steps; None: every eval interval")
     opt("--background-save", None, "write checkpoints on a thread while training goes on",
@@ -236,6 +241,8 @@ def parse_args(argv=None):
     opt("--dropout", float, "nanoGPT's dropout")
     opt("--offload", str, "the optimizer's shard in host memory or in files (stages 1-3)", choices=["cpu", "disk"])
     opt("--offload-dir", str, "with --offload disk: the directory of its files")
+    opt("--offload-params", None, "stage 3's parameter shard in host memory", action="store_true",
+        default=None)
     opt("--resume", None, "continue from the newest complete checkpoint in --out-dir; none there: "
         "start fresh", action="store_true", default=None)
     opt("--data", str, "train on this text file; None: the standard library's sources")
@@ -247,48 +254,34 @@ def parse_args(argv=None):
     opt("--muon-lr", float, "Muon's learning rate, on the same schedule as --lr")
     opt("--momentum", float, "SGD's or Muon's momentum; None: SGD 0.9 here, Muon torch's 0.95")
     opt("--config", str, "a DeepSpeed JSON config")
+    opt("--reduce-order", str, "tree: the same bits at any power-of-two world size", choices=["ring", "tree"])
     opt("--reduce-every", str, "step: sum micro-batches locally, reduce once (DDP's no_sync)",
         choices=["micro_batch", "step"])
     opt("--reshard-after-forward", str, "stage 3: true, false (keep for backward), or N: hpZ, "
         "backward gathers among N ranks")
-    opt("--compile", None, "torch.compile each block", action="store_true", default=None)
+    opt("--compile", flag_bool, "torch.compile each block (--compile=False: not)", nargs="?",
+        const=True, metavar="BOOL")
     opt("--trace", str, "write each rank's Chrome trace of the first steps here (ui.perfetto.dev); 4 steps "
         "unless --steps is given")
     given = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     cfg = {**DEFAULTS, **PRESETS.get(given.get("preset"), {}), **({"steps": 4} if given.get("trace") else {})}
-    ds = parse_ds_config(read_json(given["config"])) if given.get("config") else {}
+    ds, notes = read_ds_config(read_json(given["config"])) if given.get("config") else ({}, None)
     cfg.update(OPTIMIZER_DEFAULTS.get(given.get("optimizer", ds.get("optimizer")), {}))
-    return {**cfg, **ds, **given}
-
-
-AT_LEAST = dict(world_size=1, n_layer=1, n_head=1, n_embd=1, block_size=1, batch_size=1, grad_accum=1,
-                eval_interval=1, eval_iters=1, steps=0, warmup=0, sample_tokens=0, lr=0, min_lr=0, clip=0,
-                muon_lr=0, momentum=0, save_interval=1, dropout=0)
+    return merge(cfg, ds, given, notes)  # (and what DeepSpeed derives from the config)
 
 
 def check_config(cfg):
     """Everything about the options that can be checked before a rank starts; a ValueError
     that names the fix. The checkpoint and data are read only as far as that needs."""
-    for k, low in AT_LEAST.items():
-        if cfg[k] is not None and not cfg[k] >= low:  # (nan is not >= anything)
-            raise ValueError(f"--{k.replace('_', '-')} must be at least {low}; got {cfg[k]}")
-    if cfg["n_embd"] % cfg["n_head"]:
-        raise ValueError(f"--n-embd {cfg['n_embd']} must be a multiple of --n-head {cfg['n_head']}")
-    if not cfg["dropout"] < 1:
-        raise ValueError(f"--dropout must be below 1; got {cfg['dropout']}")
+    check_numbers(cfg)  # each within its range
+    N = int(os.environ.get("WORLD_SIZE", cfg["world_size"]))
+    micro_batch_for(cfg, N)  # (a config's train_batch_size without its micro-batch)
     resume.check_out_dir(cfg)
-    resume.resume_from(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))  # (its global batch)
-    grad_accum_for(SimpleNamespace(**cfg), int(os.environ.get("WORLD_SIZE", cfg["world_size"])))
+    resume.resume_from(cfg, N)  # (its global batch)
+    grad_accum_for(SimpleNamespace(**cfg), N)
     if cfg["data"] is not None:
         check_data(cfg["data"], cfg["block_size"])
-    check_mesh(cfg, int(os.environ.get("WORLD_SIZE", cfg["world_size"])))  # --shard-size, the modes
-    check_quantized(cfg)  # ZeRO++'s qwZ (int8 weights, stage 3) and qgZ (int8/int4 gradients)
-    if cfg["offload"] and cfg["stage"] == 0:
-        raise ValueError("--offload moves the optimizer's shard off the device; stage 0 (DDP) keeps the whole "
-                         "state on every rank: use --stage 1, 2 or 3")
-    if cfg["offload"] == "disk" and not cfg["offload_dir"]:
-        raise ValueError("--offload disk needs --offload-dir (DeepSpeed: offload_optimizer.nvme_path), "
-                         "a directory on the disk the optimizer state should live on")
+    check_parallel(cfg, N)  # the mesh, ZeRO++'s quantization and offload, against the stage
     return cfg
 
 
@@ -308,7 +301,6 @@ def check_data(path, block_size):
 # -----------------------------------------------------------------------------
 # training
 
-
 def get_lr(step, c, lr=None, min_lr=None):
     """Linear warmup, then cosine decay to min_lr at the last step (nanoGPT); of c.lr, or of lr."""
     lr, min_lr = (c.lr, c.min_lr) if lr is None else (lr, min_lr)
@@ -316,14 +308,6 @@ def get_lr(step, c, lr=None, min_lr=None):
         return lr * (step + 1) / (c.warmup + 1)
     ratio = (step - c.warmup) / max(1, c.steps - c.warmup)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (lr - min_lr)
-
-
-def optimizer_options(c):
-    """Engine options of --optimizer: AdamW's betas and eps (also Muon's AdamW), Muon's muon_lr, the momentum."""
-    adamw = dict(betas=tuple(c.betas), eps=c.eps)
-    momentum = {} if c.momentum is None else dict(momentum=c.momentum)
-    return {"adamw": adamw, "muon": dict(adamw, muon_lr=c.muon_lr, **momentum), "sgd": momentum,
-            "adafactor": {}}[c.optimizer]
 
 
 def fmt_bytes(n):
@@ -338,11 +322,14 @@ def mfu(n_params, c, tok_s, world_size):
     return flops / peak
 
 
-def train_step(model, engine, batches, device):
+def train_step(model, engine, batches, device, seeds=None):
     """One step over this rank's micro-batches -> their mean loss. To a GPU the batches go from
-    pinned memory, queued; the loss is read once, after the step (each read drains the GPU)."""
+    pinned memory, queued; the loss is read once, after the step (each read drains the GPU).
+    seeds: each micro-batch's dropout seed (--reduce-order tree: its leaf's, at any world size)."""
     loss_sum = 0.0
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
+        if seeds:
+            torch.manual_seed(seeds[i])
         if device.type == "cuda":
             x, y = (t.pin_memory().to(device, non_blocking=True) for t in (x, y))
         _, loss = model(x, y)
@@ -371,15 +358,18 @@ def train(comm, cfg):
     n_params = model.num_params()
     engine = minizero.Engine(model, comm, c.stage, optimizer=c.optimizer, lr=c.lr, weight_decay=c.weight_decay,
                              decay=lambda name, p: p.dim() >= 2, dtype=dtype, grad_accum=c.grad_accum,
-                             clip=c.clip or None, offload=c.offload, offload_dir=c.offload_dir,
+                             clip=c.clip or None, reduce_dtype=DTYPES.get(c.reduce_dtype),
+                             loss_scale=c.loss_scale, scale_window=c.scale_window, offload=c.offload,
+                             offload_dir=c.offload_dir, offload_params=c.offload_params,
                              pin_memory=c.pin_memory, shard_size=shard_size(vars(c), N), trace=c.trace,
-                             reduce_every=c.reduce_every,
+                             **({} if c.reduce_order == "tree" else dict(reduce_every=c.reduce_every)),
                              reshard_after_forward=reshard_arg(c.reshard_after_forward),
                              quantize_weights=c.quantize_weights, quantize_grads=c.quantize_grads,
-                             native=c.native, **optimizer_options(c))
+                             native=c.native, reduce_order=c.reduce_order, **optimizer_options(c))
     if c.compile:  # each block one graph; the engine's hooks run between them (DESIGN.md §14)
+        log("compiling each block (the first step takes ~20 s)...")
         compiled.compile_units(model, [u.module for u in engine.units])
-    S = engine.shards.world_size
+    S = engine.group.world_size
     log(f"{N} ranks, ZeRO stage {c.stage}" + (f" sharded over {S} ranks, {N // S} copies" if S < N else "")
         + f", {c.optimizer}, {str(dtype)[6:]}, {n_params / 1e6:.2f}M parameters, "
         f"{c.batch_size}x{c.grad_accum}x{N} sequences of {c.block_size} per step")
@@ -417,21 +407,23 @@ def train(comm, cfg):
         engine.lr = get_lr(step, c)
         if c.optimizer == "muon":  # Muon's lr on the same schedule
             engine.options["muon_lr"] = get_lr(step, c, c.muon_lr, c.min_lr / c.lr * c.muon_lr if c.lr else 0.0)
-        sent_before, to_before = dict(comm.sent), dict(comm.sent_to)
+        sent_before, to_before, skipped = dict(comm.sent), dict(comm.sent_to), engine.skipped
         sync()
         t0 = time.perf_counter()
-        loss = train_step(model, engine, resume.step_batches(data["train"], c, step, rank, N), device)
+        batches = resume.step_batches(data["train"], c, step, rank, N)
+        loss = train_step(model, engine, batches, device, resume.leaf_seeds(c, step, rank))
         sync()
         times.append(time.perf_counter() - t0)
         train_curve.append((step, loss))
         resume.record(c, rank, step=step, loss=loss)
-        if comm_step is None:  # what one step sends, beside DESIGN.md's formula
+        # what one step sends, beside DESIGN.md's formula: a step taken (fp16 skips its first ones)
+        if comm_step is None and engine.skipped == skipped:
             comm_step = {k: v - sent_before.get(k, 0) for k, v in comm.sent.items() if v != sent_before.get(k, 0)}
             expect = engine.formula(sent=True)
             log("bytes sent per step by rank 0: " + ", ".join(
                 f"{k} {v:,} (formula {expect[k]:,})" if k in expect else f"{k} {v:,}" for k, v in sorted(comm_step.items())))
             if S < N:  # hybrid: what stays in the shard group (a node) and what leaves it
-                inside = sum(v - to_before.get(k, 0) for k, v in comm.sent_to.items() if k in engine.shards.ranks)
+                inside = sum(v - to_before.get(k, 0) for k, v in comm.sent_to.items() if k in engine.group.ranks)
                 log(f"  of which to its shard group {inside:,}, to other groups "
                     f"{sum(comm.sent_to.values()) - sum(to_before.values()) - inside:,}")
         if step % 10 == 0 or step == c.steps - 1:
@@ -445,7 +437,9 @@ def train(comm, cfg):
     peak = minizero.peak_memory(device)
     peaks = ops.all_gather(torch.tensor([float(peak)], device=device), comm, kind="stats").tolist()
     log(f"{ms:.1f} ms/step, {tok_s:,.0f} tok/s" + (f", mfu {100 * mfu(n_params, c, tok_s, N):.1f}%" if cuda else "")
-        + (f", {engine.scaler.skipped} steps skipped for non-finite gradients" if engine.scaler.skipped else ""))
+        + (f", {engine.skipped} steps skipped for non-finite gradients" if engine.skipped else "")
+        if times else f"nothing left to train: the checkpoint is at step {start} of --steps "
+        f"{c.steps}; give a larger --steps to train on")
     log(f"peak memory per rank ({'cuda max_memory_allocated' if cuda else 'process max RSS'}): "
         + ", ".join(fmt_bytes(p) for p in peaks) + f"; model state is {fmt_bytes(sum(mem.values()))} of it, "
         "the rest is activations, buffers and (on CPU) torch itself")
@@ -462,7 +456,7 @@ def train(comm, cfg):
     if c.out_dir and rank == 0:
         checkpoint.prune(c.out_dir)
     return dict(train=train_curve, val=val_curve, ms_per_step=ms, tokens_per_s=tok_s, peak_memory=peak, memory=mem,
-                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=engine.scaler.skipped, sample=sample)
+                formula=formula, comm_per_step=comm_step, n_params=n_params, skipped=engine.skipped, sample=sample)
 
 
 def train_entry(comm, cfg):
@@ -476,6 +470,10 @@ def train_entry(comm, cfg):
 def main(argv=None):
     try:
         cfg = check_config(parse_args(argv))
+        N = int(os.environ.get("WORLD_SIZE", cfg["world_size"]))
+        gpus = torch.cuda.is_available() and ("RANK" in os.environ or torch.cuda.device_count() >= N)
+        if os.environ.get("RANK", "0") == "0":  # first, before any rank builds the model: what was taken
+            print("\n".join(banner(cfg, N, gpus)), flush=True)
     except ValueError as e:  # the user's options: one line, as argparse's own errors (tracebacks are for bugs)
         print(f"train_gpt.py: error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -489,7 +487,6 @@ def main(argv=None):
             train_entry(comm, cfg)
             torch.distributed.destroy_process_group()  # NCCL asks for it: no rank leaves work pending
         else:  # start our own world: one GPU per rank if there are enough, else CPU processes
-            gpus = torch.cuda.is_available() and torch.cuda.device_count() >= cfg["world_size"]
             launch.run_processes(train_entry, cfg["world_size"], cfg, backend="nccl" if gpus else "gloo")
     except KeyboardInterrupt:  # run_processes has killed every rank on its way out
         print("train_gpt.py: interrupted; every rank was stopped", file=sys.stderr)

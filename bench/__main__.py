@@ -11,6 +11,8 @@ CPU ranks, and measure how much bigger a model ZeRO-3 fits than DDP.
                                      # (GPU if there is one; overhead.py)
     python -m bench --compile        # each block compiled vs eager: stages 0 and 3
                                      # beside DDP and FSDP2 (compiled.py)
+    python -m bench --tree           # reduce_order tree against the ring, stages 0 and 3,
+                                     # at 2 and 4 ranks (tree.py)
     python -m bench --gpu [--quick]  # gpu_check.sh: overhead over a plain torch loop,
                                      # rows on CUDA (gpu.py)
     python -m bench --plot DIR [--quick]  # memory.png and timeline.png (figures.py;
@@ -28,6 +30,7 @@ from bench.gpu import gpu_bench
 from bench.memory import max_model
 from bench.overhead import overhead_summary
 from bench.speed import timing_table, variants
+from bench.tree import tree_table
 
 
 def parse(argv=None):
@@ -43,6 +46,8 @@ def parse(argv=None):
                     help="one rank: minizero against a plain torch loop")
     ap.add_argument("--compile", action="store_true",
                     help="each block compiled vs eager, minizero beside torch's DDP and FSDP2")
+    ap.add_argument("--tree", action="store_true",
+                    help="reduce_order tree against the ring, stages 0 and 3, at 2 and 4 ranks")
     ap.add_argument("--gpu", action="store_true", help="gpu_check.sh: overhead over a plain "
                     "torch loop, native rows on CUDA (tiny on the CPU)")
     ap.add_argument("--budget-mb", type=int, default=Config.budget_mb,
@@ -73,6 +78,8 @@ def main(argv=None):
             overhead_summary(cfg)
         elif a.compile:
             compiled_table(cfg)
+        elif a.tree:
+            tree_table(cfg)
         else:
             timing_table(cfg)
     return 0

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import minizero
-from minizero_lib import flight
+import ops
 from train_gpt import GPT, GPTConfig
 
 MiB = 2 ** 20
@@ -50,6 +50,7 @@ class Variant:
     offload: str = None  # "disk": the optimizer state in files under OFFLOAD_DIR
     record: bool = True  # False: the flight record switched off, to time what it costs
     compile: bool = False  # each block compiled (torch.compile), before DDP or FSDP2 wrap it
+    order: str = "ring"  # "tree": Engine(reduce_order="tree"), the same bits at any world size
 
     @property
     def zero_stage(self):
@@ -122,11 +123,12 @@ def build_zero(v, comm, model, meta):
     engine = minizero.Engine(model, comm, v.stage, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                              decay=lambda name, p: p.dim() >= 2, overlap=v.overlap, native=None,
                              offload=v.offload, offload_dir=OFFLOAD_DIR if v.offload else None,
-                             init=model.init_weights if meta else None)
+                             init=model.init_weights if meta else None, reduce_order=v.order)
     if v.compile:  # after Engine(...): the engine's hooks stay outside the graphs either way
         for block in model.transformer.h:
             block.compile()
-    record = comm.flight if v.record else NoRecord(comm.rank)
+    # (ops.NoRecord keeps nothing: the difference in ms/step is what the record costs)
+    record = comm.flight if v.record else ops.NoRecord()
 
     def step(x, y):
         comm.native, comm.flight = v.native, record
@@ -135,20 +137,6 @@ def build_zero(v, comm, model, meta):
         engine.step()
         return loss.item()
     return step, engine
-
-
-class NoRecord(flight.Flight):
-    """The flight record switched off (here only): the difference in ms/step is what it
-    costs. start() keeps no record and returns None, so end() and resume() get None."""
-
-    def start(self, op, kind, t):
-        return None
-
-    def end(self, rec, done=True):
-        pass
-
-    def resume(self, rec):
-        pass
 
 
 def decay_groups(model):

@@ -10,7 +10,7 @@ import tempfile
 import torch
 
 import minizero
-from minizero_lib import flight, launch, plots, user_model
+from minizero_lib import flight, launch, plots
 from bench.common import Config, Variant, batches, build, gpt_config, meta_params
 from train_gpt import GPT
 
@@ -57,7 +57,7 @@ def traced_world(comm, cfg, trace_dir):
     torch.set_num_threads(1)
     step, engine = build(Variant("stage3-ring", "zero", 3), comm, gpt_config(cfg))
     # (build() makes the engine; this is trace=trace_dir)
-    flight.Tracer(trace_dir, comm, engine.units, user_model.tensors)
+    flight.Tracer(trace_dir, comm, engine.units, minizero.tensors)
     for x, y in batches(cfg, comm.rank, 3):
         step(x, y)
     engine.close()

@@ -52,15 +52,14 @@ import torch
 from minizero_lib import launch
 # Named judge here: check()'s own `referee` is a flag, whether stage 0 is held to torch.
 from minizero_lib import referee as judge
+from minizero import Engine, default_units, group_params
 from minizero_lib.checkpoint import read_state
 from minizero_lib.compiled import compile_units
-from minizero_lib.engine import Engine
+from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
 from minizero_lib.optimizers import state_numel, whole_numel
+from minizero_lib.quantize import BLOCK
 from minizero_lib.report import (GRAD_TOL, SENT_KINDS, UPDATE_TOL, Divergence, RankRun, Report,
                                  Row, StepRecord, UnitLayout, run_to_device, seed, to_device)
-from minizero_lib.formulas import comm_bytes_per_step, model_state_bytes, offloaded_bytes
-from minizero_lib.quantize import BLOCK
-from minizero_lib.stages import default_units, group_params
 
 # cuBLAS's deterministic setting, read when cuBLAS starts.
 CUBLAS = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -88,7 +87,7 @@ def default_loss(model, batch):
 
 def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), stages=(0, 1, 2, 3),
           steps=3, referee=True, tol=None, processes=False, jitter=False, timeout=120.0,
-          device=None, strict_p2p=False, compile=False, **engine_kw):
+          device=None, strict_p2p=False, compile=False, progress=None, **engine_kw):
     """Run the model under every stage and world size and compare (see the module's
     docstring). make_model() builds the model, once: every rank and stage starts from
     it. make_batch(step, rank, micro) is that rank's micro-batch: a tuple of positional
@@ -101,7 +100,12 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     strict_p2p=True: thread ranks follow NCCL's point-to-point rules (launch.run_threads).
     compile=True (or a backend's name, "inductor" by default): every rank compiles each of
     its units' modules after Engine(...) (compiled.compile_units, as torchtitan compiles
-    each block), so the stages are compared, and stage 0 refereed, as compiled code."""
+    each block), so the stages are compared, and stage 0 refereed, as compiled code.
+    progress(world_size, stage, row) is called as each run starts (row None) and ends.
+    reduce_order="tree" (world sizes powers of two): each world size runs the same G leaves a
+    step, G = grad_accum x the largest world size (rank r's micro-batch j is leaf r·A + j, and
+    make_batch(step, rank, micro) says what leaf rank·A + micro is at the largest world size),
+    and every world size's state after each step is held to the first's, to the bit."""
     if 0 not in stages:
         # Everything is compared with stage 0.
         stages = (0, *stages)
@@ -131,41 +135,81 @@ def check(make_model, make_batch, *, loss_fn=None, world_sizes=(1, 2, 3, 4), sta
     num_threads = torch.get_num_threads()
     # Ranks are threads (or processes on the same cores).
     torch.set_num_threads(1)
-    restore = _deterministic(device)
+    restore = deterministic(device)
     buffer_names = {nm for nm, _ in model.named_buffers()}
     # Rank 0's model's values, as the engine holds them in the compute dtype.
     initial = {k: v.to(dtype).float() if v.is_floating_point() else v
                for k, v in spec["state"].items()}
+    worlds = {}  # reduce_order="tree": world size -> stage 0's rank 0 run
     try:
         for n in world_sizes:
+            spec_n = per_world(spec, n, world_sizes)
             # Per stage: every rank's RankRun.
             runs = {}
             for s in sorted(stages):
+                if progress:
+                    progress(n, s, None)
                 t0 = time.perf_counter()
                 row = Row(n, s)
                 try:
-                    runs[s] = _run_stage(n, s, spec, model, processes, device, timeout, strict_p2p)
+                    runs[s] = _run_stage(n, s, spec_n, model, processes, device, timeout,
+                                         strict_p2p)
                 except RuntimeError as e:
                     # The model (or the engine on it) failed on some rank.
                     row.first = Divergence(what="error", world_size=n, stage=s, step=0, micro=None,
                                            rank=0, name=str(e).split("\n")[0])
                     report.rows.append(row)
+                    if progress:
+                        progress(n, s, row)
                     continue
                 row.seconds = time.perf_counter() - t0
                 judge.compare(row, runs[s], runs.get(0) if s else None, n, s, buffer_names,
                               initial)
                 if s == 0 and referee:
-                    judge.hold_to_torch(row, model, runs[0], spec, n, report.tol, device)
+                    judge.hold_to_torch(row, model, runs[0], spec_n, n, report.tol, device)
+                if s == 0 and engine_kw.get("reduce_order") == "tree":
+                    worlds[n] = runs[0][0]
+                    judge.compare_worlds(row, worlds, buffer_names)
                 report.rows.append(row)
+                if progress:
+                    progress(n, s, row)
     finally:
         torch.set_num_threads(num_threads)
         restore()
     return report
 
 
+def per_world(spec, n, world_sizes):
+    """spec at world size n: reduce_order="tree" runs the largest world size's leaves, A_n =
+    G/n of them a rank (engine_kw's grad_accum is the largest world size's)."""
+    kw = spec["engine_kw"]
+    if kw.get("reduce_order") != "tree":
+        return spec
+    accum = kw.get("grad_accum", 1)
+    mine = accum * max(world_sizes) // n
+    return dict(spec, engine_kw=dict(kw, grad_accum=mine),
+                make_batch=Leaves(spec["make_batch"], mine, accum))
+
+
+class Leaves:
+    """make_batch at a smaller world size, under reduce_order="tree": rank r's micro-batch j
+    is leaf r·A + j, the leaf make_batch(step, rank, micro) names at the largest world size
+    (its A there: accum). A class, not a closure: processes unpickle it."""
+
+    def __init__(self, make_batch, mine, accum):
+        self.make_batch, self.mine, self.accum = make_batch, mine, accum
+
+    def __call__(self, step, rank, micro):
+        leaf = rank * self.mine + micro
+        return self.make_batch(step, leaf // self.accum, leaf % self.accum)
+
+
 def _refuse(world_sizes, engine_kw, processes, device, callables):
     """Raise, naming the fix, for options no run can satisfy."""
     S = engine_kw.get("shard_size")
+    if engine_kw.get("reduce_order") == "tree" and any(n & (n - 1) for n in world_sizes):
+        raise ValueError(f"reduce_order='tree' compares world sizes that are powers of two; got "
+                         f"world_sizes={tuple(world_sizes)}: use e.g. (1, 2, 4)")
     if engine_kw.get("quantize_weights"):
         raise ValueError("quantize_weights quantizes stage 3's gather, and check() compares "
                          "every stage with stage 0, which gathers nothing: drop it "
@@ -196,10 +240,10 @@ def _refuse(world_sizes, engine_kw, processes, device, callables):
 def _run_stage(n, stage, spec, model, processes, device, timeout, strict_p2p):
     """Every rank's RankRun of one stage at world size n, on threads or processes."""
     if not processes:
-        return launch.run_threads(_rank, n, stage, dict(spec, model=model), device=device,
+        return launch.run_threads(rank_run, n, stage, dict(spec, model=model), device=device,
                                   timeout=timeout, strict_p2p=strict_p2p)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    runs = launch.run_processes(_rank, n, stage, spec, timeout=timeout, backend=backend)
+    runs = launch.run_processes(rank_run, n, stage, spec, timeout=timeout, backend=backend)
     # On nccl each rank's tensors come back on its own GPU: gather them.
     return [run_to_device(run, device) for run in runs]
 
@@ -235,7 +279,7 @@ def random_modules(model, batch, loss_fn):
             if not any(c in moved for c in list(m.modules())[1:])]
 
 
-def _deterministic(device):
+def deterministic(device):
     """On CUDA, torch's deterministic kernels only: some (index_add, ...) sum with atomics in
     a different order each run, and a kernel with no deterministic version (flash attention's
     backward) raises, naming itself, instead of letting the stages differ for a reason that is
@@ -255,17 +299,17 @@ def _deterministic(device):
 # one rank's run: what every comparison needs, recorded after every backward and step
 
 
-def _rank(comm, stage, spec):
+def rank_run(comm, stage, spec):
     """One rank's run of one stage: its RankRun."""
     if "model" in spec:
         # Threads: a copy of the one model.
         model = copy.deepcopy(spec["model"]).to(comm.device)
     else:
         # Processes: build it, then take the parent's values.
-        _deterministic(comm.device)
+        deterministic(comm.device)
         model = spec["make_model"]().to(comm.device)
         model.load_state_dict(spec["state"])
-    _perturb(model, comm.rank)
+    perturb(model, comm.rank)
     kw = dict(spec["engine_kw"])
     if stage == 0:
         # DDP keeps all its state in memory: the reference every offload is held to.
@@ -294,9 +338,9 @@ def _rank(comm, stage, spec):
     if kw.get("broadcast_buffers", True):
         model.register_forward_pre_hook(record)
     layout = [UnitLayout(u.names, u.offsets, [p.numel() for p in u.params],
-                         u.shard_size * engine.shards.rank) for u in engine.units]
+                         u.shard_size * engine.group.rank) for u in engine.units]
     rules = {nm: rule for u in engine.units for nm, rule in zip(u.names, u.rules)}
-    run = RankRun(layout=layout, rules=rules, shard_size=engine.shards.world_size,
+    run = RankRun(layout=layout, rules=rules, shard_size=engine.group.world_size,
                   grad_accum=engine.grad_accum, initial=engine.full_state_dict(),
                   memory_formula=memory_formula, bytes_formula=bytes_formula)
     for step in range(spec["steps"]):
@@ -322,7 +366,9 @@ def _step(engine, model, comm, spec, step, seen):
         seen.clear()
     # Measured with the reduced shards alive.
     memory = _memory(engine.memory(), engine.offloaded())
-    loss_scale, counts_before = engine.scaler.scale, [list(u.steps) for u in engine.units]
+    scaler = getattr(engine, "scaler", None)  # (fp16's loss scale)
+    loss_scale = scaler.scale if scaler else 1.0
+    counts_before = [list(u.steps) for u in engine.units]
     stepped = engine.step()
     sent = {kind: comm.sent[kind] - sent_before.get(kind, 0) for kind in SENT_KINDS}
     kept.append(_kept_too_much(engine))
@@ -348,7 +394,7 @@ def _moments(engine, u):
     return moments
 
 
-def _perturb(model, rank):
+def perturb(model, rank):
     """Ranks 1.. start from other values than rank 0 (a user who seeds each rank
     differently does this): every parameter and buffer plus the rank. DDP broadcasts
     rank 0's at construction, so the engine must, before anything reads them."""
@@ -381,9 +427,10 @@ def _formulas(numel, n, stage, kw, units, sizes):
     S = kw.get("shard_size") or n
     sharding = numel, S, stage, dtype
     opt_numel = None if kw.get("optimizer", "adamw") == "adamw" else state_numel(units)
-    modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward") if k in kw}
+    modes = {k: kw[k] for k in ("reduce_every", "reshard_after_forward", "reduce_order")
+             if k in kw}
     resident = model_state_bytes(*sharding, offload, params, kw.get("reduce_dtype"), opt_numel,
-                                 **modes)
+                                 **modes, grad_accum=kw.get("grad_accum", 1))
     memory = _memory(resident, offloaded_bytes(*sharding, offload, params, opt_numel))
     q = kw.get("quantize_grads")
     return memory, comm_bytes_per_step(sizes if q else numel, *sharding[1:],
@@ -399,13 +446,12 @@ def _memory(resident, offloaded):
 
 def _kept_too_much(engine):
     """What a stage promises not to keep between its sync points, if it keeps it anyway."""
-    # reduce_every="step" keeps the local sum until the step's last micro-batch
-    summing = engine.reduce_every == "step" and 0 < engine.micro < engine.grad_accum
+    # reduce_every="step" keeps the local sum until the step's last micro-batch (u.summing)
     for u in engine.units:
-        if engine.sharded["grads"] and ((u.bucket is not None and not summing) or
+        if engine.sharded["grads"] and ((u.bucket is not None and not u.summing) or
                                         any(p.grad is not None for p in u.params)):
             return f"a full gradient of {u.names[0]}'s unit survived backward"
-        if u.secondary is not None:
+        if u.index in getattr(engine, "secondary", {}):
             return f"{u.names[0]}'s unit kept its secondary shard past backward"
         if engine.sharded["params"] and u.flat.untyped_storage().nbytes():
             return f"{u.names[0]}'s unit stayed gathered"

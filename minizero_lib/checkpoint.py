@@ -34,9 +34,8 @@ import shutil
 
 import torch
 
+from minizero import state_layout
 from ops import all_gather, broadcast
-from minizero_lib.optimizers import state_layout
-from minizero_lib.unit import release_all
 
 FORMAT = "minizero-2"  # 2: step counts per parameter; 1 had one for all, read as such
 # a parameter of a checkpoint that names no optimizer
@@ -54,7 +53,7 @@ def piece(engine, rank):
     """Which of the N pieces of the layout a rank saves: piece p·R + g for the rank at place
     p of shard group g (each shard group's chunk p, cut R ways across its replicas). Not
     hybrid (R = 1): piece r is rank r's."""
-    S = engine.shards.world_size
+    S = engine.group.world_size
     return rank % S * (engine.comm.world_size // S) + rank // S
 
 
@@ -64,7 +63,7 @@ def my_state(engine, u, k):
     or all of it unless hybrid)."""
     st = read_state(engine, u)
     q = u.padded // engine.comm.world_size
-    start = k * q - (engine.shards.rank * u.shard_size if engine.sharded["optimizer"] else 0)
+    start = k * q - (engine.group.rank * u.shard_size if engine.sharded["optimizer"] else 0)
     pieces, sizes = state_layout(u.offsets, [p.shape for p in u.params], u.rules, u.keys, k * q,
                                  k * q + q)
     state = from_params(pieces, u.keys, sizes,
@@ -101,10 +100,12 @@ def manifest(engine, tag, meta):
     aliases, state = {}, engine.model.state_dict(keep_vars=True)
     for name, t in state.items():
         aliases.setdefault(id(t), []).append(name)
-    return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": engine.scaler.scale,
-            "clean_steps": engine.scaler.clean_steps, "skipped": engine.scaler.skipped,
-            "skips_in_row": engine.scaler.skips_in_row, "world_size": engine.comm.world_size,
-            "shard_size": engine.shards.world_size, "stage": engine.stage,
+    scaler = getattr(engine, "scaler", None)  # (fp16's loss scale: features.py)
+    scale, clean_steps = (scaler.scale, scaler.clean_steps) if scaler else (1.0, 0)
+    return {"format": FORMAT, "tag": tag, "step": engine.t, "scale": scale,
+            "clean_steps": clean_steps, "skipped": engine.skipped,
+            "skips_in_row": engine.skips_in_row, "world_size": engine.comm.world_size,
+            "shard_size": engine.group.world_size, "stage": engine.stage,
             "dtype": str(engine.dtype), "state_dict": list(state),
             "optimizer": engine.optimizer,
             "hparams": {"lr": engine.lr, "weight_decay": engine.weight_decay,
@@ -148,7 +149,7 @@ def load(engine, path):
                                  f"state {sorted(params[n]['state'])} there, and by {kind} with "
                                  f"{sorted(keys)} here; build the engine with the options it was "
                                  "saved with")
-    r = engine.shards.rank  # (hybrid: every replica takes the same chunk)
+    r = engine.group.rank  # (hybrid: every replica takes the same chunk)
     mine = lambda u, x: u.chunk(x, r) if engine.sharded["optimizer"] else x  # noqa: E731
     write_state(engine, ((u, {"master": mine(u, _assemble(u, params, "master")), **from_params(
         u.pieces, u.keys, u.sizes,
@@ -163,9 +164,11 @@ def load(engine, path):
             u.flat.copy_(master)  # the live parameters, all of them
     for n, t in fixed.items():
         t.data.copy_(extra[n])
-    scaler = engine.scaler
-    engine.t, scaler.scale, scaler.clean_steps = m["step"], m["scale"], m["clean_steps"]
-    scaler.skipped, scaler.skips_in_row = m.get("skipped", 0), m.get("skips_in_row", 0)
+    scaler = getattr(engine, "scaler", None)  # (fp16's loss scale: features.py)
+    if scaler is not None:
+        scaler.scale, scaler.clean_steps = m["scale"], m["clean_steps"]
+    engine.t, engine.skipped, engine.skips_in_row = m["step"], m.get("skipped", 0), \
+        m.get("skips_in_row", 0)
     rng = [s["rng"] for s in shards if s.get("rank") == engine.comm.rank and "rng" in s]
     if m["world_size"] == engine.comm.world_size and rng:  # (at another, ranks' RNGs do not map)
         torch.set_rng_state(rng[0]["cpu"])
@@ -177,16 +180,18 @@ def load(engine, path):
 def read_state(engine, u, master_only=False):
     """This rank's fp32 master and optimizer state of unit u (or the master only), as
     {"master": ..., key: tensor}, by name (from disk if they live there: a copy)."""
-    if engine.disk is not None:
-        return engine.disk.state(u.index, 1 if master_only else None)
+    disk = getattr(engine, "disk", None)  # (disk offload: features.py)
+    if disk is not None:
+        return disk.state(u.index, 1 if master_only else None)
     return {"master": u.master} if master_only else {"master": u.master, **u.state}
 
 
 def write_state(engine, states):
     """(unit, {"master", key...}) pairs as this rank's optimizer state. On disk they go
     to the other slots and count once all are written: a failed write changes nothing."""
-    if engine.disk is not None:
-        return engine.disk.put((u.index, state) for u, state in states)
+    disk = getattr(engine, "disk", None)
+    if disk is not None:
+        return disk.put((u.index, state) for u, state in states)
     for u, state in states:
         for k, t in read_state(engine, u).items():
             t.copy_(state[k])
@@ -199,34 +204,44 @@ def gathered(engine, modules=None, writable=False):
     writable=True, on exit rank 0's values win: they are broadcast and written into every
     rank's fp32 master (and stage 3's shard), so every rank trains on what rank 0 wrote.
     DeepSpeed: GatheredParameters; FSDP: summon_full_params. Outside it, at stage 3,
-    reading a parameter raises (user_model.ShardedParameter)."""
+    reading a parameter raises (minizero.ShardedParameter)."""
     want = None if modules is None else {id(p) for m in modules for p in m.parameters()}
     units = [u for u in engine.units if want is None or any(id(p) in want for p in u.params)]
+    if any(u.held is not None for u in units):
+        raise RuntimeError("engine.gathered() is already open for these parameters; do not nest "
+                           "it")
     engine.queue.drain()
     if engine.sharded["params"]:
-        release_all(engine.units)
-        for u in units:
-            u.hold(engine.shards, engine.device)
-    engine.writing = writable
+        engine.release_all()
+        for u in units:  # kind "gathered": each rank sends (N-1)/N·Ψ_u, into a buffer of its own
+            u.held = all_gather(u.shard.to(engine.device, non_blocking=True), engine.group,
+                                kind="gathered")
+            u.point(u.held)
+            u.mark(released=False)
+    engine.writable = writable
     try:
         yield
     finally:
-        engine.writing = False
+        engine.writable = False
         for u in units:
             if writable:
                 full = u.flat if u.held is None else u.held
                 write_master(engine, u, broadcast(full, engine.comm, kind="gathered"))
-            u.unhold()
+            # The params keep viewing what was held, so a backward through a loss read in here
+            # still finds the values; the next gather points them at flat again.
+            if u.held is not None:
+                u.mark(released=True)
+                u.held = None
 
 
 def write_master(engine, u, full):
     """Take the unit's whole params `full` as the new weights (engine.gathered(writable=True)):
     this rank's master (on disk too), the stage-3 shard, and flat."""
-    mine = u.chunk(full, engine.shards.rank) if engine.sharded["optimizer"] else full
+    mine = u.chunk(full, engine.group.rank) if engine.sharded["optimizer"] else full
     # (from disk: a copy, written back whole: a slot is written whole)
     state = read_state(engine, u)
     state["master"].copy_(mine)
-    if engine.disk is not None:
+    if getattr(engine, "disk", None) is not None:
         write_state(engine, [(u, state)])
     if u.shard is not None and u.shard is not u.master:
         u.shard.copy_(mine)
@@ -239,23 +254,6 @@ def frozen(engine):
     trainable = {id(p) for u in engine.units for p in u.params}
     return {n: t for n, t in engine.model.state_dict(keep_vars=True).items()
             if id(t) not in trainable}
-
-
-def full_state_dict(engine):
-    """Engine.full_state_dict: every unit's master all-gathered (stages 1-3), every name
-    of model.state_dict() (tied names, frozen parameters and buffers too), fp32."""
-    values = {}
-    for u in engine.units:
-        master = read_state(engine, u, master_only=True)["master"].to(engine.device)
-        full = all_gather(master, engine.shards,
-                          kind="state_dict") if engine.sharded["optimizer"] else master
-        for p, o in zip(u.params, u.offsets):
-            values[id(p)] = full[o:o + p.numel()].view(p.shape)
-    out = {}
-    for name, t in engine.model.state_dict(keep_vars=True).items():
-        v = values[id(t)] if id(t) in values else t.detach()  # (a released param: never read)
-        out[name] = (v.float() if v.is_floating_point() else v).clone()
-    return out
 
 
 # -----------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from collections import deque
 
 import torch
 
-from minizero_lib.compiled import outside_graphs
+from minizero import outside_graphs
+from ops import FAILED, CollectiveMismatch, CollectiveStall, PeerFailed, ProcessComm
 
 # a record's fields
 SEQ, OP, KIND, DTYPE, NUMEL, PHASE, UNIT, STEP, MICRO, GRAD, T0, T1, OUTER = range(13)
@@ -42,9 +43,6 @@ KIND_PHASE = {"clip": "clipping", "flags": "flags", "fingerprint": "fingerprint"
               "checkpoint": "checkpoint",
               "offload": "checkpoint", "buffers": "buffers", "gathered": "gathered()",
               "state_dict": "state dict"}
-DTYPE_CODE = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4,
-              torch.int64: 5,
-              torch.int32: 6, torch.uint8: 7, torch.bool: 8}
 _CODES = {}  # kind -> a code every process computes alike (crc32, not Python's salted hash)
 # minizero's own files: the package, and ops.py and minizero.py beside it (by path: a user's
 # engine.py is the user's)
@@ -58,26 +56,6 @@ def code(kind):
     if c is None:
         c = _CODES[kind] = zlib.crc32(kind.encode()) & 0x7FFFFFFF
     return c
-
-
-class PeerFailed(RuntimeError):
-    """Raised on a rank whose peer failed or went silent: the world cannot go on."""
-
-
-class CollectiveMismatch(ValueError):
-    """The ranks are in different collectives: they would sum garbage or hang."""
-
-    def __init__(self, message, culprit):
-        super().__init__(message)
-        self.culprit = culprit  # the rank whose collectives went their own way
-
-
-class CollectiveStall(PeerFailed):
-    """A rank waited past the timeout: some rank never arrived."""
-
-    def __init__(self, message, culprit):
-        super().__init__(message)
-        self.culprit = culprit  # the rank that never arrived
 
 
 class Flight:
@@ -135,7 +113,7 @@ class Flight:
             self.tracer.step(t)
 
     def end(self, rec, done=True):
-        """rec's collective is over; done=False: it was started and runs on (ops.in_flight), and
+        """rec's collective is over; done=False: it was started and runs on (ops.started), and
         this rank goes on outside it until its wait, which resumes it and ends it."""
         if done:
             rec[T1] = self.idle = time.perf_counter()
@@ -149,6 +127,12 @@ class Flight:
         """Waiting for rec, a collective in flight: it is the rank's current one again (a stall
         names it)."""
         rec[OUTER], self.current, self.tag = self.current, rec, _tag(rec)
+
+    def diagnose(self, comm, reason, incident, timeout=None):
+        """A process rank's error when the world breaks (ops.ProcessComm): every rank's record,
+        collected through the process group's store under `incident`, compared."""
+        snaps = exchange_snapshots(comm.store, self, comm.world_size, incident)
+        return diagnose(snaps, comm.world_size, reason, comm.rank, timeout)
 
     def snapshot(self):
         """Plain data for the other ranks: the records, the current one, and the call site."""
@@ -198,6 +182,15 @@ def stack(ident):
             lineno, name = rest.split(" in ", 1)
             frames.append((f, int(lineno), name))
     return frames
+
+
+def attach(comm):
+    """Give a communicator a flight record (the launchers do, launch.py); a process rank's
+    watcher thread also answers for it when another rank finds the world broken."""
+    comm.flight = Flight(comm.rank)
+    if isinstance(comm, ProcessComm):
+        watch(comm.store, comm.flight, comm.world_size)
+    return comm
 
 
 # -----------------------------------------------------------------------------
@@ -298,9 +291,6 @@ def _mismatch_cause(by_seq, first, odd):
 # -----------------------------------------------------------------------------
 # processes: the snapshots travel through the process group's store
 
-FAILED = "minizero/failed"
-
-
 def exchange_snapshots(store, flight, world_size, incident, wait=1.5):
     """Publish this rank's snapshot under `incident` and collect the others' (those that do
     not answer within `wait` seconds are left out: the diagnosis calls them gone)."""
@@ -343,7 +333,7 @@ def watch(store, flight, world_size, every=0.25):
 class Tracer:
     """Times each unit's forward and backward (hooks of its own) beside the collectives the
     flight records, and writes them as DIR/rank{r}.json after each of the first `steps` steps.
-    Its module hooks run outside torch.compile's graphs, as the engine's (compiled.py).
+    Its module hooks run outside torch.compile's graphs, as the engine's.
 
     On a GPU a hook runs when its work is queued, not when the GPU runs it: there each time is
     an event recorded on the calling thread's stream (the comm thread's for its collectives),
@@ -351,7 +341,7 @@ class Tracer:
 
     def __init__(self, path, comm, units, tensors, steps=3):
         self.path = path            # the directory of the trace files
-        self.tensors = tensors      # module output -> the tensors in it (stages.tensors)
+        self.tensors = tensors      # module output -> the tensors in it (minizero.tensors)
         self.flight = comm.flight   # the communicator's record: its spans are the collectives
         self.world_size = comm.world_size  # an all-gather's whole buffer is N times its input
         self.t = 0                  # steps done: the step a span belongs to

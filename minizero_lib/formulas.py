@@ -1,22 +1,32 @@
 """
-The formulas: what a rank holds and sends at each stage, for a layout of Ψ (padded)
-parameters, in bytes. The tests hold the engine's measurements (Engine.memory, .offloaded,
-comm.sent: measured below) to these, to the byte; the planner (cli.py) prints them for real
-models. Read after stages.py: each formula is the sum of what those functions keep and send.
+The formulas: what a rank holds and sends at each stage, for Ψ parameters on N ranks:
+
+    stage  params grads optimizer  bytes/rank (16-bit, AdamW)  sent per step
+    0      full   full  full       16Ψ                         2Ψ: reduce-scatter, all-gather grads
+    1      full   full  1/N        4Ψ + 12Ψ/N                  2Ψ: reduce-scatter, all-gather params
+    2      full   1/N   1/N        2Ψ + 14Ψ/N                  2Ψ: the same, scattered in backward
+    3      1/N    1/N   1/N        16Ψ/N                       3Ψ: gather fwd, bwd; reduce-scatter
+
+(2 bytes of param, 2 of grad, 12 of fp32 master, m and v per parameter; "Ψ sent": a ring
+collective over Ψ, each rank sending (N-1)/N·Ψ.) Below, the same in bytes, for a layout of Ψ
+(padded) parameters and every mode. The tests hold the engine's measurements (Engine.memory,
+.offloaded, comm.sent: measured below) to these, to the byte; the planner (cli.py) prints them
+for real models. Read after minizero.py: each formula is the sum of what its stage
+functions keep and send.
 """
 import resource
 
 import torch
 
+from minizero import sharded
 from minizero_lib.optimizers import GATHERED, state_numel, whole_numel
-from minizero_lib.quantize import BLOCK, packed_bytes
-from minizero_lib.stages import sharded
+from minizero_lib.quantize import BLOCK, Quant, packed_bytes
 
 
 def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None,
                       offload_params=False,
                       reduce_dtype=None, state=None, reduce_every="micro_batch",
-                      reshard_after_forward=True):
+                      reshard_after_forward=True, reduce_order="ring", grad_accum=1):
     """Bytes of model state resident per rank, for numel (padded) parameters: params and
     grads in the compute dtype; the fp32 master (fp32 compute: the params are it) and the
     optimizer's `state` fp32 elements per rank (default AdamW's m and v, cut like master:
@@ -25,9 +35,13 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
     world_size is S, what a unit is cut over. What a mode keeps within a step counts too:
     reduce_every="step" sums in reduce_dtype (stages 0-1: the bucket; 2-3: a whole bucket
     per unit besides the shard, +Ψ); stage 3's reshard_after_forward=False keeps every unit
-    gathered from forward to backward (+Ψ params), G a secondary shard (+Ψ/G)."""
+    gathered from forward to backward (+Ψ params), G a secondary shard (+Ψ/G).
+    reduce_order="tree" sums a step's micro-batches in a pairwise tree, in reduce_dtype: at
+    most log2(grad_accum) + 1 whole partial sums alive (+that many Ψ, beside the bucket or
+    the shard)."""
     d, r = torch.finfo(dtype).bits // 8, torch.finfo(reduce_dtype or dtype).bits // 8
-    step = reduce_every == "step"
+    tree = tree_buckets(grad_accum) if reduce_order == "tree" else 0
+    step = reduce_every == "step" and not tree
     g = r if sharded(stage)["grads"] or step else d
     cut = {k: world_size if c else 1 for k, c in sharded(stage).items()}
     state = 2 * numel // cut["optimizer"] if state is None else state
@@ -36,8 +50,13 @@ def model_state_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=No
     kept = 0 if rf is True else d * numel if rf is False else d * numel // rf
     return {"params": (0 if offload_params else d) * numel // cut["params"] + kept,
             "grads": (g * numel // cut["grads"]
-                      + (r * numel if step and sharded(stage)["grads"] else 0)),
+                      + (r * numel if step and sharded(stage)["grads"] else 0) + tree * r * numel),
             "optimizer": opt}
+
+
+def tree_buckets(grad_accum):
+    """reduce_order="tree": the most whole partial sums a unit keeps alive, log2 A + 1."""
+    return grad_accum.bit_length()
 
 
 def offloaded_bytes(numel, world_size, stage, dtype=torch.bfloat16, offload=None,
@@ -59,7 +78,7 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
                         reduce_dtype=None,
                         replicas=1, whole_numel=None, reduce_every="micro_batch",
                         reshard_after_forward=True, quantize_weights=None, quantize_grads=None,
-                        quant_block=BLOCK):
+                        quant_block=BLOCK, reduce_order="ring"):
     """Payload bytes one rank sends in one step, by the ledger's kinds: each ring collective
     over Ψ elements on N ranks sends (N-1)/N·Ψ. Gradients (in reduce_dtype) are
     reduce-scattered once per micro-batch; sharded params are gathered twice per micro-batch
@@ -68,7 +87,9 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     (Ψ/S) is also all-reduced across the R = replicas copies once per step, 2(R-1)/R·Ψ/S.
     A sharded optimizer with whole-tensor updates gathers what they read ("optimizer",
     GATHERED bytes per element) of the units that have them: whole_numel = {"muon"|"adafactor": Ψ}.
-    reduce_every="step": the gradients are reduce-scattered once per step, whatever grad_accum.
+    reduce_every="step", and reduce_order="tree": the gradients are reduce-scattered once per
+    step, whatever grad_accum (the tree: by recursive halving, the ring's bytes in log2 N
+    messages; hybrid's copies the same, 2(R-1)/R·Ψ/S).
     Stage 3's reshard_after_forward=False: one gather per micro-batch (the forward's); G: the
     backward's gather runs among G ranks, (G-1)/G·Ψ each, kind "hpz_gather".
     Quantized (quantize.py): numel may be each unit's padded Ψ_u (a list), as every piece is
@@ -79,7 +100,7 @@ def comm_bytes_per_step(numel, world_size, stage, dtype=torch.bfloat16, grad_acc
     grad, param = per(S, numel, reduce_dtype or dtype), per(S, numel, dtype)
     # stage 3's gathers per step, and the gradient reductions per step
     gathers_3 = (2 if rf is True else 1) * grad_accum
-    reductions = 1 if reduce_every == "step" else grad_accum
+    reductions = 1 if reduce_every == "step" or reduce_order == "tree" else grad_accum
     gathers = gathers_3 * param if sharded(stage)["params"] \
         else param if sharded(stage)["optimizer"] else grad
     out = {"reduce_scatter": grad * reductions, "all_gather": gathers,
@@ -111,38 +132,57 @@ def quantized_bytes(units, S, R, stage, gathers, reductions, reduce_dtype, weigh
     return out
 
 
+def features(engine):
+    """What an engine's features set (a plain engine has none: plain ZeRO's values):
+    (offload, offload_params, replicas, reduce_every, reshard_after_forward, quant, order)."""
+    e = engine
+    return (getattr(e, "offload", None), getattr(e, "offload_params", False),
+            e.replicas.world_size if getattr(e, "replicas", None) else 1,
+            getattr(e, "reduce_every", "micro_batch"), getattr(e, "reshard_after_forward", True),
+            getattr(e, "quant", None) or Quant(), "tree" if getattr(e, "tree", False) else "ring")
+
+
 def engine_formula(engine, offloaded=False, sent=False):
     """Engine.formula: the formulas above for an engine's layout and optimizer."""
     e = engine
-    layout = (e.numel(), e.shards.world_size, e.stage, e.dtype)
-    modes = dict(reduce_every=e.reduce_every, reshard_after_forward=e.reshard_after_forward)
-    if sent:
-        q = e.quant  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
+    offload, offload_params, replicas, every, rf, q, order = features(e)
+    layout = (e.numel(), e.group.world_size, e.stage, e.dtype)
+    modes = dict(reduce_every=every, reshard_after_forward=rf, reduce_order=order)
+    if sent:  # (each unit's Ψ_u: a quantized piece pads to whole blocks)
         return comm_bytes_per_step([u.padded for u in e.units], *layout[1:], e.grad_accum,
-                                   e.reduce_dtype, e.replicas.world_size, whole_numel(e.units),
+                                   e.reduce_dtype, replicas, whole_numel(e.units),
                                    **modes, quantize_weights=q.weights, quantize_grads=q.grads,
                                    quant_block=q.block)
     if offloaded:
-        return offloaded_bytes(*layout, e.offload, e.offload_params, state_numel(e.units))
-    return model_state_bytes(*layout, e.offload, e.offload_params, e.reduce_dtype,
-                             state_numel(e.units), **modes)
+        return offloaded_bytes(*layout, offload, offload_params, state_numel(e.units))
+    return model_state_bytes(*layout, offload, offload_params, e.reduce_dtype,
+                             state_numel(e.units), **modes, grad_accum=e.grad_accum)
 
 
 def engine_held(engine):
     """Engine.memory: held_bytes for an engine's units and modes."""
     e = engine
-    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, e.offload,
-                      e.offload_params, e.reduce_every, e.reshard_after_forward)
+    offload, offload_params, _, every, rf, _, order = features(e)
+    tree = tree_buckets(e.grad_accum) if order == "tree" else 0
+    return held_bytes(e.units, e.device, e.stage, e.dtype, e.reduce_dtype, offload,
+                      offload_params, every, rf, getattr(e, "secondary", {}), tree)
+
+
+def engine_offloaded(engine):
+    """Engine.offloaded: offloaded_held for an engine's units."""
+    offload, offload_params, *_ = features(engine)
+    return offloaded_held(engine.units, getattr(engine, "disk", None), offload,
+                          offload_params)
 
 
 def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_params=False,
-               reduce_every="micro_batch", reshard_after_forward=True):
+               reduce_every="micro_batch", reshard_after_forward=True, secondary=None, tree=0):
     """Measured: bytes of model state the units hold on `device` in a step, by category.
     Stages 2-3's reduced gradient shards live only from a step's first reduction to its
     update: between steps, count the ones the next step makes; so too what a mode keeps
-    within a step (reduce_every="step": stages 2-3's whole bucket; stage 3's unit kept
-    gathered, or its secondary shard). On a CPU run what offload keeps in host memory is
-    on "the device" too: offloaded_held counts it."""
+    within a step (reduce_every="step": stages 2-3's whole bucket; reduce_order="tree": its
+    partial sums; stage 3's unit kept gathered, or its secondary shard). On a CPU run what
+    offload keeps in host memory is on "the device" too: offloaded_held counts it."""
     params = grads = opt = 0
     cut, rf = sharded(stage), reshard_after_forward
     own = dtype != torch.float32  # a master apart from the params (an offloaded one is not here)
@@ -152,12 +192,15 @@ def held_bytes(units, device, stage, dtype, reduce_dtype, offload=None, offload_
                                                            u.shard if cut["params"] else u.flat)
         grad = u.reduced if cut["grads"] else u.bucket
         grads += _nbytes(device, grad) if grad is not None else u.shard_size * reduce_dtype.itemsize
-        if cut["grads"] and reduce_every == "step":  # the local sum, whole, to the last micro-batch
+        if cut["grads"] and reduce_every == "step" and not tree:  # the local sum, whole
             whole = u.padded * reduce_dtype.itemsize
             grads += _nbytes(device, u.bucket) if u.bucket is not None else whole
+        # reduce_order="tree": the partial sums of a step's micro-batches (at most `tree` alive)
+        grads += tree * u.padded * reduce_dtype.itemsize
         if cut["params"] and rf is not True:  # gathered (False) or the secondary shard (G)
-            secondary = u.padded // (1 if rf is False else rf) * dtype.itemsize
-            params += _nbytes(device, u.secondary) if u.secondary is not None else secondary
+            secondary_bytes = u.padded // (1 if rf is False else rf) * dtype.itemsize
+            kept = (secondary or {}).get(u.index)
+            params += _nbytes(device, kept) if kept is not None else secondary_bytes
         opt += 0 if cpu and offload else _nbytes(device, *(u.state or {}).values(),
                                                  u.master if own else None)
     return {"params": params, "grads": grads, "optimizer": opt}

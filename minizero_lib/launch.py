@@ -30,10 +30,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minizero_lib import flight
-from minizero_lib import nccl_model
 import ops
-from minizero_lib.flight import PeerFailed, call_site
+from minizero_lib import flight, nccl_model
+from minizero_lib.flight import call_site
+from ops import PeerFailed
 
 
 def _check_world_size(world_size):
@@ -44,19 +44,14 @@ def _check_world_size(world_size):
 # -----------------------------------------------------------------------------
 # ranks as threads of this process (ops.ThreadComm): the tests' world
 
-class ThreadWorld:
-    """What a world of thread ranks shares: the message queues, the meetings of native
-    collectives, the failure flag and every rank's flight record (each rank's ops.ThreadComm
-    reaches it as comm.world), and how a message travels through them: post, take, meet."""
+class ThreadWorld(ops.ThreadWorld):
+    """What a world of thread ranks shares: ops.ThreadWorld's message queues, and the meetings
+    of native collectives, the failure flag and every rank's flight record (each rank's
+    ops.ThreadComm reaches it as comm.world), and how a message travels through them: post,
+    take, meet, each message checked against the receiver's record."""
 
     def __init__(self, world_size, timeout, device, strict=False):
-        self.world_size = world_size  # the number of rank threads
-        # seconds a rank waits for a message or a meeting before it stops
-        self.timeout = timeout
-        self.device = device          # where every rank computes (the CPU, or one shared GPU)
-        # src -> dst
-        self.queues = {(s, d): queue.SimpleQueue()
-                       for s in range(world_size) for d in range(world_size)}
+        super().__init__(world_size, device, timeout)
         self.meetings = {}  # ranks -> (a slot per rank, a barrier): where a native collective meets
         self.read_events = {}  # ranks -> per rank, the CUDA event after its read of every slot
         self.lock = threading.Lock()  # (ranks create meetings on first use)
@@ -222,7 +217,9 @@ def run_threads(fn, world_size, *args, device=None, timeout=60.0, strict_p2p=Fal
     def main(rank):
         try:
             with _rank_on(device):
-                results[rank] = fn(ops.ThreadComm(rank, world), *args)
+                comm = flight.attach(ops.ThreadComm(rank, world))
+                world.flights[rank] = comm.flight
+                results[rank] = fn(comm, *args)
         except BaseException as e:
             errors[rank] = e
             world.abort()
@@ -266,6 +263,11 @@ def init_from_env(timeout=300.0, check=None, native=True):
     else gloo. RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT come from torchrun.
     check (headers before every message) defaults to on for gloo, whose process aborts
     when a message meets a receive of another size; on nccl a mismatch is found by the timeout."""
+    if "RANK" not in os.environ:  # (torch would say only "RANK expected, but not set")
+        raise RuntimeError("launch.init_from_env() is for processes started by torchrun (RANK is "
+                           "not set): run `torchrun --nproc_per_node=N your_script.py`, or start "
+                           "the ranks from Python with launch.run_processes(fn, world_size) "
+                           "(processes) or launch.run_threads(fn, world_size) (threads)")
     device = None
     if torch.cuda.is_available():
         device = _rank_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -281,7 +283,8 @@ def init_from_env(timeout=300.0, check=None, native=True):
     dist.init_process_group("nccl" if device else "gloo", timeout=timedelta(seconds=timeout),
                             device_id=device,
                             **kw)
-    return ops.ProcessComm(timeout, device is None if check is None else check, native)
+    return flight.attach(ops.ProcessComm(timeout, device is None if check is None else check,
+                                         native))
 
 
 def _rank_device(local_rank):
@@ -344,7 +347,7 @@ def _process_main(rank, world_size, backend, store_path, timeout, check, parent,
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=timeout), device_id=device)
-        out = fn(ops.ProcessComm(timeout, check, store=store), *args)
+        out = fn(flight.attach(ops.ProcessComm(timeout, check, store=store)), *args)
         results.put(("ok", rank, _dumps(out)))
     except BaseException as e:  # (a diagnosis ends with the rank it blames, for _blame)
         blame = f"\n{e.culprit}" if hasattr(e, "culprit") else ""

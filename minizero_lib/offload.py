@@ -20,14 +20,13 @@ import os
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import NamedTuple
 
 import torch
 
+from minizero import runs, share_params
 from minizero_lib.launch import remove_at_end
-from minizero_lib.stages import gather_whole, share_params
+from minizero_lib.optimizers import gather_whole, host_wait, update, whole_rule
 from ops import all_gather
-from minizero_lib.optimizers import runs, update
 
 F32 = 4  # bytes per element of master and the state
 
@@ -48,34 +47,25 @@ def check_offload(stage, offload, offload_dir, offload_params):
                          "state should live on (AdamW needs 24 bytes per parameter / world size)")
 
 
-class Place(NamedTuple):
-    """Where a unit's state lives (engine.py decides, from Engine(offload=...))."""
-    state: str = "device"   # the optimizer's master, m, v: "device", "cpu" (host memory) or "disk"
-    params: str = "device"  # stage 3's 16-bit shard: "device" or "cpu"
-    pin: bool = False       # host memory pinned, for fast copies to and from a GPU
-    disk: object = None     # with state "disk": the DiskState that holds them
-
-    def host(self, t, where):
-        """t where it lives: on the device, or a copy in host memory ("cpu"; "disk": until its
-        file has it). A copy on a CPU run too: the host path runs, as on a GPU. Pinned later,
-        all of a rank's at once (pin_region)."""
-        return t if where == "device" else t.to("cpu", copy=True)
-
-    def optimizer_state(self, index, mine, dtype, sizes):
-        """Unit `index`'s fp32 master of `mine` (this rank's range of its params) and its zero
-        optimizer state ({key: elements} sizes), where they live -> (master, state): on the
-        device (fp32 compute: the params are the master), in host memory, or on disk (None,
-        None: they are in the unit's file)."""
-        own = dtype != torch.float32 or self.state != "device"
-        master = self.host(mine.float(), self.state) if own else mine
-        state = {k: torch.zeros(n, device=master.device) for k, n in sizes.items()}
-        if self.state != "disk":
-            return master, state
-        self.disk.add(index, {"master": master, **state})
-        return None, None
+def offload_unit(u, offload, offload_params, disk):
+    """Unit u is built (minizero.Unit): its master and optimizer state, made where offload
+    keeps them (minizero.Unit.own_state makes them beside the params). offload_params: stage
+    3's 16-bit shard in host memory (with fp32 compute and the optimizer on the device, it is
+    the master too); offload "cpu": the fp32 master and state in host memory, a copy on a CPU
+    run too (the host path runs, as on a GPU); "disk": into the unit's file (DiskState), and
+    u.master and u.state None. Pinned later, all at once (pin_region)."""
+    if offload_params:
+        u.owned = u.shard = u.shard.to("cpu", copy=True)
+    own = u.flat.dtype != torch.float32 or offload
+    master = u.owned.float() if own else u.owned
+    u.master = master.to("cpu", copy=True) if offload else master
+    u.state = {k: torch.zeros(n, device=u.master.device) for k, n in u.sizes.items()}
+    if offload == "disk":
+        disk.add(u.index, {"master": u.master, **u.state})
+        u.master = u.state = None
 
 
-def pin_region(units, place):
+def pin_region(units, offload, offload_params):
     """Pin a rank's host state, every unit's (master and optimizer state offloaded to "cpu",
     stage 3's shard with offload_params), as one region of exactly its bytes, offloaded()'s
     formula: pinning each tensor through torch's pinned cache rounds every block up to a power
@@ -83,12 +73,12 @@ def pin_region(units, place):
     so copies to and from it are queued, not blocking; the tensors become views of it.
     Returns the region (whoever holds it keeps it pinned), or None when nothing is pinned."""
     moved = [t for u in units
-             for t in ([u.master, *u.state.values()] if place.state == "cpu" else [])
-             + ([u.shard] if place.params == "cpu" else [])]
+             for t in ([u.master, *u.state.values()] if offload == "cpu" else [])
+             + ([u.shard] if offload_params else [])]
     # fp32 first, then the 16-bit shards: every view starts at a multiple of its element size
     host = list({id(t): t for t in sorted(moved, key=lambda t: -t.element_size())}.values())
     total = sum(t.numel() * t.element_size() for t in host)
-    if not place.pin or not total:
+    if not total:
         return None
     region = torch.empty(total, dtype=torch.uint8)
     cudart = torch.cuda.cudart()
@@ -108,17 +98,13 @@ def pin_region(units, place):
     return region
 
 
-def placement(device, offload, offload_dir, offload_params, pin_memory, tag):
-    """Where the units' state lives (a Place), its disk files made if on disk. On a
-    CPU run, offload to "cpu" frees nothing: say so once, and run the host path anyway
-    (separate copies, the same arithmetic as on a GPU: so it is tested on CPUs)."""
+def warn_on_cpu(device, offload, offload_params):
+    """On a CPU run, offload to "cpu" frees nothing: say so once (the host path still runs,
+    with separate copies and the same arithmetic as on a GPU: so it is tested on CPUs)."""
     if device.type == "cpu" and (offload == "cpu" or offload_params):
         warnings.warn("minizero: offload to 'cpu' on a CPU run keeps a copy in the same memory, so "
                       "it frees nothing (the same bits, a little slower); offload='disk' is the "
                       "one that frees RAM here")
-    return Place(offload or "device", "cpu" if offload_params else "device",
-                 pin_memory and device.type == "cuda",
-                 DiskState(offload_dir, tag) if offload == "disk" else None)
 
 
 class DiskState:
@@ -160,7 +146,7 @@ class DiskState:
         except OSError as e:
             raise ValueError(f"offload_dir {self.folder} has no room for the optimizer state "
                              f"({2 * n * F32:,} bytes for {path}: {e})") from None
-        _pwrite(fd, state["master"].detach().float().cpu().contiguous(), 0)
+        pwrite(fd, state["master"].detach().float().cpu().contiguous(), 0)
 
     def read(self, i, count=None):
         """Unit i's {"master", key...} (the first count of them) as views of one new fp32 tensor."""
@@ -202,7 +188,7 @@ class DiskState:
         fd, path, sizes, slot = self.files[i]
         self.written.add(i)
         flat = torch.cat([state[k].reshape(-1).float().cpu() for k in sizes])
-        self.writes.append(self.io.submit(_pwrite, fd, flat,
+        self.writes.append(self.io.submit(pwrite, fd, flat,
                                           (1 - slot) * sum(sizes.values()) * F32))
 
     def finish(self):
@@ -240,10 +226,10 @@ def disk_update(units, disk, group, device, hp, comm, t):
     error = ""
     try:
         for i, state in disk.stream(range(len(units))):
-            u = units[i]
-            gather = gather_whole(group, device) if u.whole_rule else None
+            u, whole = units[i], whole_rule(units[i])
+            gather = gather_whole(group, device) if whole else None
             update(state["master"], {k: t for k, t in state.items() if k != "master"}, u.reduced,
-                   runs(u, hp), hp, u.whole_rule, gather, device)
+                   runs(u, hp), hp, whole, gather, device)
             disk.write(i, state)
         disk.finish()
     except OSError as e:
@@ -261,10 +247,18 @@ def disk_update(units, disk, group, device, hp, comm, t):
                            "they were. Free space there and train on")
     disk.commit()
     for i, state in disk.stream(range(len(units)), count=1):
-        share_params(state["master"], group, units[i].flat, units[i].shard)
+        share(state["master"], group, units[i].flat, units[i].shard)
 
 
-def _pwrite(fd, t, offset):
+def share(master, group, flat, shard):
+    """minizero.share_params, from an offloaded master: stage 3's host shard (offload_params)
+    from a GPU's master is read after an event, as the copy is queued (DESIGN.md §9.11)."""
+    share_params(master, group, flat, shard)
+    if shard is not None and shard is not master and master.is_cuda and not shard.is_cuda:
+        host_wait()
+
+
+def pwrite(fd, t, offset):
     view = memoryview(t.numpy()).cast("B")
     while len(view):
         done = os.pwrite(fd, view, offset)

@@ -1,10 +1,10 @@
 """
-The optimizers minizero trains with: torch.optim's AdamW, SGD, Adafactor and Muon, as pure
-functions over explicit tensors, and the one `update` that runs them on a range of a unit
-(stage 0: the whole buffer; stages 1-3: this rank's chunk).
+Muon and Adafactor, beside minizero.py's elementwise AdamW and SGD: torch.optim's, as pure
+functions over explicit tensors; every optimizer's options, checked; and `update`, which runs
+minizero.update's elementwise pieces and then the whole-tensor ones on a range of a unit
+(stage 0: the whole buffer; stages 1-3: this rank's chunk), offloaded or not.
 
-AdamW and SGD are elementwise: a shard's update is the same bits as the whole buffer's,
-cut. Muon (Newton-Schulz on each whole matrix) and Adafactor (row and column sums, norms,
+Muon (Newton-Schulz on each whole matrix) and Adafactor (row and column sums, norms,
 an RMS clip over the whole tensor) look at whole tensors, which a flat shard cuts at an
 arbitrary element. So each rank all-gathers what they read of its unit (Muon: the momentum
 update, in bf16, as Newton-Schulz casts it; Adafactor: the gradient and the params, fp32),
@@ -17,18 +17,17 @@ and v, SGD's and Muon's momentum_buffer, Adafactor's row and col, or variance fo
 held per unit and range by key (state_layout), so the engine moves, offloads and saves it
 without knowing which optimizer made it.
 """
-import functools
 import math
-from typing import NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
-from minizero_lib import nccl_model
+import minizero
+from minizero import mean_grad
+from ops import all_gather
 
 OPTIMIZERS = {  # name -> its options besides lr and weight_decay: torch.optim's names and defaults
-    "adamw": dict(betas=(0.9, 0.999), eps=1e-8),
-    "sgd": dict(momentum=0.0, nesterov=False),
+    **minizero.OPTIMIZERS,
     "adafactor": dict(beta2_decay=-0.8, eps=(None, 1e-3), d=1.0),
     "muon": dict(muon_lr=1e-3, momentum=0.95, nesterov=True, ns_steps=5,
                  ns_coefficients=(3.4445, -4.7750, 2.0315),
@@ -87,61 +86,25 @@ def choose_rules(model, optimizer, options):
 def state_keys(rule, shape, options):
     """One parameter's optimizer state: {key: None (elementwise, one value per element, cut
     like master) or the element count of a whole-tensor state}, torch.optim's names."""
-    if rule == "adamw":
-        return {"m": None, "v": None}
-    if rule in ("sgd", "muon"):
-        return {"momentum_buffer": None} if options["momentum"] else {}
+    if rule != "adafactor":  # (Muon's momentum buffer is SGD's)
+        return minizero.state_keys(rule, shape, options)
     n = math.prod(shape)  # adafactor: factored second moments of a matrix, whole ones of a vector
     if len(shape) > 1:
         return {"row": n // max(shape[-1], 1), "col": n // max(shape[-2], 1)}
     return {"variance": n}
 
 
-class Piece(NamedTuple):
-    """One parameter's part of a range [lo, hi) of its unit."""
-    i: int         # the parameter's index in its unit
-    rule: str      # the update it gets (choose_rules)
-    shape: tuple   # its shape
-    o: int         # where the whole parameter starts in the unit
-    lo: int        # where the range starts in the unit
-    a: int         # its elements inside the range: [a, b), relative to lo
-    b: int
-    at: dict       # key -> (c, d): its state inside the range's tensor of that key
-    decays: tuple = ()  # the [a, b) parts of it whose parameters decay (runs)
-
-
-def state_layout(offsets, shapes, rules, keys, lo, hi):
-    """The parameters inside elements [lo, hi) of a unit (one Piece each), and per key the
-    element count of the range's state tensor. An elementwise key every parameter has spans
-    the whole range, padding too (AdamW's m and v are master's twins); one only some have
-    holds just theirs, back to back (Muon's momentum; the AdamW moments of the rest); a
-    whole-tensor key holds the whole state of each parameter in the range (Adafactor's)."""
-    full = (set.intersection(*({k for k, w in ks.items() if w is None} for ks in keys))
-            if keys else set())
-    sizes = {k: (hi - lo if k in full else 0) for ks in keys for k in ks}
-    pieces = []
-    for i, (o, shape, rule, ks) in enumerate(zip(offsets, shapes, rules, keys)):
-        a, b = max(o, lo) - lo, min(o + math.prod(shape), hi) - lo
-        if a >= b:
-            continue
-        at = {}
-        for k, count in ks.items():
-            if k in full:
-                at[k] = (a, b)
-            else:
-                c = sizes[k]
-                at[k] = (c, c + (b - a if count is None else count))
-                sizes[k] = at[k][1]
-        pieces.append(Piece(i, rule, tuple(shape), o, lo, a, b, at))
-    return pieces, sizes
-
-
-# the formulas' part (stages.py): the planner's fp32 state elements per parameter beside the master
-# (AdamW's m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it
-# keep 2: Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here),
-# and the bytes per element a whole-tensor update all-gathers (update)
+# the formulas' part: the planner's fp32 state elements per parameter beside the master (AdamW's
+# m and v; SGD's momentum, 0 without; Muon's momentum, while the AdamW params beside it keep 2:
+# Engine.formula counts its layout; Adafactor's rows and columns, R + C of R·C: 0 here), and the
+# bytes per element a whole-tensor update all-gathers (update)
 STATE_PER_PARAM = {"adamw": 2, "sgd": 1, "muon": 1, "adafactor": 0}
 GATHERED = {"muon": 2, "adafactor": 8}
+
+
+def whole_rule(u):
+    """The unit's whole-tensor update ("muon" or "adafactor"), or None."""
+    return next((k for k in u.rules if k in WHOLE), None)
 
 
 def state_numel(units):
@@ -153,89 +116,33 @@ def whole_numel(units):
     """{"muon" or "adafactor": Ψ of the units whose update reads whole tensors}."""
     out = {}
     for u in units:
-        if u.whole_rule:
-            out[u.whole_rule] = out.get(u.whole_rule, 0) + u.padded
+        if whole_rule(u):
+            out[whole_rule(u)] = out.get(whole_rule(u), 0) + u.padded
     return out
 
 
-class Hyper(NamedTuple):
-    """One step's hyperparameters, and what turns the reduced gradient sum into the mean
-    gradient: 1/(N·loss scale), then the clipping coefficient (or None)."""
-    lr: float
-    weight_decay: float
-    options: dict   # the optimizer's other options (optimizer_options)
-    unscale: float
-    coef: Optional[torch.Tensor]
-
-
-def runs(u, hp):
-    """The steps of the unit's range this step: (Piece, step count, weight decay) per
-    parameter some rank gave a gradient (torch skips a grad=None parameter: no decay, no
-    state, no step); a Piece's decays say where the weight decay applies. Elementwise
-    neighbours with the same step count are merged into one piece: AdamW's always (its
-    decay is a multiply of its own, per parameter), SGD's only with the same weight decay
-    (it enters the gradient). Every stage cuts its range the same way, so the same
-    elements see the same numbers."""
-    out = []
-    for p in u.pieces:
-        if not u.used[p.i]:
-            continue
-        t, wd = u.steps[p.i], hp.weight_decay if u.decays[p.i] else 0.0
-        p, wd = p._replace(decays=((p.a, p.b),
-                                   ) if wd else ()), hp.weight_decay if p.rule == "adamw" else wd
-        if out and p.rule not in WHOLE and out[-1][0].rule == p.rule and out[-1][1:] == (t, wd) \
-                and out[-1][0].b == p.a \
-                and all(out[-1][0].at[k][1] == c for k, (c, _) in p.at.items()):
-            q = out[-1][0]
-            decays = q.decays[:-1] + ((q.decays[-1][0], p.b),
-                                      ) if q.decays and p.decays and q.decays[-1][1] == p.a \
-                else q.decays + p.decays  # (neighbours that both decay: one span)
-            p = q._replace(b=p.b, at={k: (q.at[k][0], d) for k, (_, d) in p.at.items()},
-                           decays=decays)
-            out[-1] = (p, t, wd)
-        else:
-            out.append((p, t, wd))
-    return out
-
-
-BLOCK = 2 ** 16  # CPU: AdamW makes ~15 passes; over 256 KiB blocks they stay in cache (~2x faster)
+def gather_whole(group, device):
+    """What Muon and Adafactor read of whole tensors, all-gathered over the unit (each rank
+    sends (N-1)/N·Ψ_u of it, kind "optimizer"), on the device: offloaded or not, the
+    whole-tensor part runs where stage 0 runs it."""
+    return lambda x: all_gather(x.to(device, non_blocking=True), group, kind="optimizer")
 
 
 def update(master, state, grad, steps, hp, whole_rule=None, gather=None, device=None):
     """One optimizer step on a range of a unit (the whole buffer, or this rank's chunk):
-    grad is the reduced gradient sum there; master and the state tensors (by key) are
-    updated in place. whole_rule: the unit's whole-tensor update ("muon", "adafactor" or None);
-    gather(x) -> x's whole unit, an all-gather every rank of such a unit calls, whatever its
-    own range holds (stage 0 holds the whole unit: None). Muon and Adafactor run on
-    `device` (the model's), also when the state is offloaded: where stage 0 runs them."""
+    minizero.update's elementwise pieces, then the whole-tensor ones. grad is the reduced
+    gradient sum there; master and the state tensors (by key) are updated in place.
+    whole_rule: the unit's whole-tensor update ("muon", "adafactor" or None); gather(x) -> x's
+    whole unit, an all-gather every rank of such a unit calls, whatever its own range holds
+    (stage 0 holds the whole unit: None). Muon and Adafactor run on `device` (the model's),
+    also when the state is offloaded: where stage 0 runs them."""
     o, gather = hp.options, gather or (lambda x: x)
     # offloaded: the update runs on the host; the gradient (on a GPU) comes over once,
-    offloaded = nccl_model.on_gpu(grad) and not nccl_model.on_gpu(master)
+    offloaded = grad.is_cuda and not master.is_cuda
     grad = moved(grad, master.device)
     coef = None if hp.coef is None else moved(hp.coef, master.device)  # the clip coefficient too
-    # AdamW's temporaries
-    scratch = [torch.empty(BLOCK) for _ in range(3)] if master.is_cpu else [None] * 3
-    for p, t, wd in steps:
-        s = {k: state[k][c:d] for k, (c, d) in p.at.items()}
-        # elementwise, so on the CPU block by block: the same bits, less memory traffic
-        if p.rule == "adamw":
-            step = BLOCK if master.is_cpu else p.b - p.a  # (a GPU: one launch per op, whole)
-            decay = scalars(master.device, 1 - hp.lr * wd)[0]
-            for lo in range(p.a, p.b, step):
-                hi, i, j = min(p.b, lo + step), lo - p.a, min(p.b, lo + step) - p.a
-                # decoupled weight decay first: p·(1 - lr·wd) where it applies
-                for a, b in p.decays:
-                    if a < hi and lo < b:
-                        master[max(a, lo):min(b, hi)].mul_(decay)
-                tmp = (scratch if scratch[0] is None or hi - lo == BLOCK
-                       else [x[:hi - lo] for x in scratch])
-                adamw(master[lo:hi], mean_grad(grad[lo:hi], hp.unscale, coef, tmp[2]), s["m"][i:j],
-                      s["v"][i:j], t,
-                      hp.lr, *o["betas"], o["eps"], out=tmp[:2])
-        elif p.rule == "sgd":
-            sgd(master[p.a:p.b], mean_grad(grad[p.a:p.b], hp.unscale, coef),
-                s.get("momentum_buffer"), t, hp.lr,
-                o["momentum"], o["nesterov"], wd)
+    hp = hp._replace(coef=coef)
+    minizero.update(master, state, grad, steps, hp)
     g = mean_grad(grad, hp.unscale, coef) if whole_rule else None
     # momentum on my slice, Newton-Schulz on each whole matrix (bf16 in, as torch casts)
     if whole_rule == "muon":
@@ -282,7 +189,7 @@ def moved(t, device):
     pinned memory, not blocking, and the host waits on an event for that copy before it reads
     it (a blocking copy would drain the stream unannounced); other moves are not blocking
     (from pinned memory the copy is queued; from pageable memory CUDA stages it at once)."""
-    if device.type != "cpu" or not nccl_model.on_gpu(t):
+    if device.type != "cpu" or not t.is_cuda:
         return t.to(device, non_blocking=True)
     out = pinned_like(t)
     out.copy_(t, non_blocking=True)
@@ -300,63 +207,6 @@ def host_wait():
     done = torch.cuda.Event()
     done.record()
     done.synchronize()
-
-
-def mean_grad(grad, unscale, coef, out=None):
-    """The mean gradient: the reduced sum (on the update's device) in fp32, times 1/(N·loss
-    scale), then times the clipping coefficient (x·1 is x: one rank unclipped reads the sum)."""
-    g = grad.to(torch.float32)
-    if unscale != 1:
-        g = torch.mul(g, unscale, out=out)
-    return g if coef is None else torch.mul(g, coef, out=out)
-
-
-def adamw(p, g, m, v, t, lr, beta1, beta2, eps, out=(None, None)):
-    """One AdamW step after its weight decay (decoupled: update multiplies p by 1 - lr·wd
-    first), torch.optim.AdamW semantics: bias correction, eps outside the sqrt. Elementwise,
-    with only + - * / sqrt (each rounded once, never fused), so a shard gives the same bits
-    as the whole buffer, and the same on the host (offload) as on a GPU: every divisor is a
-    tensor on p's device (DESIGN.md §2). p, m and v are updated in place (the same
-    operations in the same order as m * beta1 + g * (1 - beta1), ...); the temporaries go
-    into `out` (two tensors of p's size), or new ones (None)."""
-    tmp, tmp2 = out
-    b1, c1, b2, c2, bc2, e, step = scalars(p.device, beta1, 1 - beta1, beta2, 1 - beta2,
-                                           math.sqrt(1 - beta2 ** t),
-                                           eps, lr / (1 - beta1 ** t))
-    m.mul_(b1).add_(torch.mul(g, c1, out=tmp))
-    v.mul_(b2).add_(torch.mul(g, g, out=tmp).mul_(c2))
-    denom = torch.sqrt(v, out=tmp2).div_(bc2).add_(e)
-    p.sub_(torch.div(m, denom, out=tmp).mul_(step))
-    return p, m, v
-
-
-def scalars(device, *xs):
-    """xs as 0-d fp32 tensors on device, made once. An op with a Python number converts it
-    to a tensor each call (µs that add up over the CPU's blocks); a tensor holding the same
-    fp32 value rounds the same (the kernels multiply in fp32 either way). On a GPU, once per
-    stream: one made on a thread rank's stream is not ready on another's (DESIGN.md §9.11)."""
-    stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
-    return _scalars(device, stream, *xs)
-
-
-@functools.lru_cache(maxsize=64)
-def _scalars(device, stream, *xs):
-    return tuple(torch.full((), x, dtype=torch.float32, device=device) for x in xs)
-
-
-scalars.cache_clear = _scalars.cache_clear
-
-
-def sgd(p, g, buf, t, lr, momentum, nesterov, weight_decay):
-    """One SGD step, torch.optim.SGD semantics (dampening 0): weight decay added to the
-    gradient; the momentum buffer starts as the first gradient (t is the step count).
-    Elementwise: each op rounds per element wherever the slice starts."""
-    if weight_decay:
-        g = g.add(p, alpha=weight_decay)
-    if buf is not None:
-        buf.copy_(g) if t == 1 else buf.mul_(momentum).add_(g)
-        g = g.add(buf, alpha=momentum) if nesterov else buf
-    p.add_(g, alpha=-lr)
 
 
 def muon_momentum(buf, g, momentum, nesterov):

@@ -7,7 +7,7 @@ codes and one fp32 scale per block, never what the master or the optimizer keep.
     gather_params(shard, flat, group, q)   qwZ: stage 3's all-gather of int8 messages
     reduce_scatter(x, comm, bits, block)   qgZ: the reduce-scatter as an all-to-all of int8/int4
                                            messages, summed in fp32 in rank order on the receiver
-    reduce_grads, all_reduce_replicas      stages.py's two gradient moves, quantized
+    reduce_grads, all_reduce_replicas      the two gradient moves (minizero, hybrid), quantized
 
 A block of `block` values is cut at amax = max|x| over the block: code = round(x/amax·Q)
 with Q = 127 (int8) or 7 (int4, two codes per byte), and back as code/Q·amax. The scale
@@ -25,9 +25,9 @@ from typing import NamedTuple
 
 import torch
 
+from minizero import chunk
+from minizero import gather_params as exact_gather_params
 from ops import _chunks, _recorded, all_gather
-from minizero_lib.stages import chunk
-from minizero_lib.stages import gather_params as exact_gather_params
 
 # The largest code per width: symmetric, so -Q..Q (int8 leaves -128 unused).
 QMAX = {8: 127, 4: 7}
@@ -109,16 +109,16 @@ def gather_params(shard, flat, group, quant):
     rank's message into its chunk of flat, rounded once to the compute dtype: every rank
     holds the same bits. The shard itself, and the master behind it, stay exact."""
     if group.world_size == 1:
-        return exact_gather_params(shard, flat, group)
+        return exact_gather_params(shard.to(flat.device, non_blocking=True), flat, group)
     n, bits = shard.numel(), quant.weights
     message = quantize(shard.to(flat.device), bits, quant.block)
-    # Dequantizing reads the bytes: torch's all-gather, which the engine may start in flight
-    # (ops.in_flight), finishes here.
-    flying, group.flying = group.flying, None
+    # Dequantizing reads the bytes: torch's all-gather, which the engine may start without
+    # waiting (ops.started), finishes here.
+    unfinished, group.unfinished = group.unfinished, None
     try:
         every = all_gather(message, group, kind="all_gather")
     finally:
-        group.flying = flying
+        group.unfinished = unfinished
     for r, message in enumerate(every.view(group.world_size, -1)):
         chunk(flat, n, r).copy_(dequantize(message, bits, quant.block, n))
     return flat

@@ -10,9 +10,9 @@ import copy
 
 import torch
 
+from minizero import cast_floats
 from minizero_lib.optimizers import OPTIMIZERS, optimizer_options
 from minizero_lib.report import SENT_KINDS, Divergence, seed, to_device
-from minizero_lib.user_model import cast_floats
 
 
 # -----------------------------------------------------------------------------
@@ -40,6 +40,19 @@ def compare(row, ranks, base, n, stage, buffer_names, initial):
             findings += _against_formulas(row, run, h, r, step, n, stage)
             if row.first is None:
                 row.first = next((d for d in findings if d is not None), None)
+
+
+def compare_worlds(row, worlds, buffer_names):
+    """reduce_order="tree": stage 0's state after each step at world size n (the last of
+    worlds) against the first world size's, to the bit: the tree's order is not the world's."""
+    base, (n, run) = next(iter(worlds.values())), list(worlds.items())[-1]
+    for step, (h, ref) in enumerate(zip(run.history, base.history)):
+        for name in (nm for nm in h.state if nm not in buffer_names):
+            found = _diff(None, "world sizes", h.state[name], ref.state[name], name, 0, step,
+                          None, n, 0)
+            if found is not None:
+                row.first = row.first or found
+                return
 
 
 def _against_stage_0(row, run, h, ref, r, step, n, stage):
@@ -205,7 +218,9 @@ def hold_to_torch(row, model, ranks, spec, n, tol, device):
             state = h.state
             continue
         row.refereed += 1
-        mean = _engine_grad(ranks, step, n)
+        # (reduce_order="tree": each micro-batch's backward had no 1/grad_accum; the mean's after)
+        mean = _engine_grad(ranks, step, n * (run.grad_accum if kw.get("reduce_order") == "tree"
+                                              else 1))
         grad_model.load_state_dict(state)
         total, parts = _torch_grad(grad_model, names, spec, step, n, run.grad_accum, h.loss_scale,
                                    device)
@@ -320,7 +335,7 @@ def _cast_inputs(dtype):
 def _engine_grad(ranks, step, n):
     """Stage 0's mean gradient of a step, per parameter name: the reduced shards of one
     shard group (ranks 0..S-1) after the last micro-batch, concatenated, times
-    1/(N · loss scale)."""
+    1/(n · loss scale) (n: N, or G leaves)."""
     mean, h, S = {}, ranks[0].history[step], ranks[0].shard_size
     for ui, unit in enumerate(ranks[0].layout):
         shards = [ranks[r].history[step].grads[-1][ui] for r in range(S)]

@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from minizero_lib.user_model import map_tensors
+from minizero import map_tensors
 
 # The ledger's kinds (comm.sent's keys) that the bytes formula speaks of.
 SENT_KINDS = ("reduce_scatter", "all_gather", "all_reduce", "optimizer", "hpz_gather")
@@ -114,14 +114,14 @@ class RankRun:
 # What each Divergence.what is held to, where it is not torch.
 AGAINST = {"grads": "stage 0", "params": "stage 0", "optimizer": "stage 0", "ranks": "rank 0",
            "initial": "rank 0's model", "memory": "the formula", "bytes": "the formula",
-           "referee-skip": "the step before"}
+           "referee-skip": "the step before", "world sizes": "the first world size (the tree's)"}
 
 
 @dataclass
 class Divergence:
     """Where two runs first part."""
     # What differs: grads | params | optimizer | initial | ranks | memory | bytes |
-    # referee-grads | referee-update | referee-skip | error.
+    # referee-grads | referee-update | referee-skip | error | world sizes (the tree's order).
     what: str
     world_size: int
     stage: int

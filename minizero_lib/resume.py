@@ -7,6 +7,7 @@ checkpoint in its --out-dir, to the bit as if it had never stopped.
                                        holds is nothing, or this model's checkpoint to resume
     resume_from(cfg, world_size)       the newest complete checkpoint, or None: start fresh
     step_batches(split, c, step, ...)  a rank's batches of a step, from the seed and the step
+    leaf_seeds(c, step, rank)          --reduce-order tree: their dropout seeds, the leaves' 
     save(engine, c, step, log)         a checkpoint in out_dir/step-N, the older ones pruned
     record(c, rank, **fields)          rank 0's line in out_dir/log.jsonl; read_log() reads them
 
@@ -106,6 +107,16 @@ def step_batches(split, c, step, rank, world_size):
     ix = torch.randint(len(split) - T, (n,), generator=gen).view(world_size, c.grad_accum, -1)[rank]
     return [tuple(torch.stack([split[i + o:i + o + T] for i in rows]).long() for o in (0, 1))
             for rows in ix]
+
+
+def leaf_seeds(c, step, rank):
+    """--reduce-order tree: each of this rank's micro-batches' dropout seed, its leaf's (rank r's
+    j-th micro-batch of a step is leaf r·A + j), so the same at any world size; the ring: None
+    (each rank draws from its own RNG, seeded once)."""
+    if c.reduce_order != "tree":
+        return None
+    return [(c.seed * 1_000_003 + step) * 4099 + rank * c.grad_accum + j
+            for j in range(c.grad_accum)]
 
 
 def save(engine, c, step, log):

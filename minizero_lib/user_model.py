@@ -1,24 +1,30 @@
 """
-What the engine asks of the user's model, apart from ZeRO itself: arguments that cannot
-work, the same model on every rank, a model built on the meta device made real one unit at a
-time, the tensors inside a model's inputs and outputs, and stage 3's parameters that raise
-when read while released. A first reading can skip this file.
+What the engine asks of the user's model and options, apart from ZeRO itself (minizero.py
+calls these; a first reading can skip them): arguments that cannot work, the same model on
+every rank, stage 3's parameters unreadable while released (ShardedParameter), modes that
+cannot work (reduce_every, reshard_after_forward), and a model built on the meta device
+made real one unit at a time.
 """
-import dataclasses
+import hashlib
 from itertools import chain
 
 import torch
 import torch.nn as nn
 
-from ops import broadcast, check_same
+from ops import all_gather
 
 
-def check_engine_args(model, stage, dtype, grad_accum):
+def check_args(model, comm, stage, dtype, grad_accum):
     """Engine(...) arguments that cannot work: a ValueError naming the fix."""
+    if not hasattr(comm, "world_size"):
+        raise ValueError("Engine needs a communicator, its second argument: under torchrun "
+                         "comm = launch.init_from_env() (minizero_lib/launch.py); or start the "
+                         "ranks with launch.run_threads(fn, N) or launch.run_processes(fn, N), "
+                         "which call fn(comm)")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3; got {stage!r}")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError("dtype must be torch.float32, torch.bfloat16 or torch.float16; got "
+        raise ValueError(f"dtype must be torch.float32, torch.bfloat16 or torch.float16; got "
                          f"{dtype}")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1; got {grad_accum}")
@@ -29,6 +35,104 @@ def check_engine_args(model, stage, dtype, grad_accum):
     if len(devices) > 1:
         raise ValueError(f"parameters and buffers are on different devices {sorted(devices)}; "
                          f"move the model to one device (model.to(device)) first")
+
+
+def check_real(model):
+    """A model with no init= must be real: a ValueError naming what is on the meta device."""
+    meta = [n for n, t in chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        raise ValueError(f"{meta[0]} is on the meta device: pass init=fn, fn(name, param) filling "
+                         "a parameter once its unit exists (or build the model for real)")
+
+
+def check_same_model(model, comm):
+    """Collective: every rank must have built the same model, the same names, shapes, dtypes,
+    trainability and ties of every parameter and buffer (each later collective's size depends
+    on it). Otherwise raise on every rank, naming the first difference. First, the model must
+    be on the device the communicator moves tensors on."""
+    device = next(model.parameters()).device
+    # (a GPU model on CPU thread ranks would run all its backwards on one thread)
+    if device != comm.device and device.type != "meta":
+        raise ValueError(f"the model is on {device}, but this rank's communicator works on "
+                         f"{comm.device}; move it there first: model.to(comm.device)")
+    entries, first = [], {}
+    for n, t in chain(model.named_parameters(remove_duplicate=False),
+                      model.named_buffers(remove_duplicate=False)):
+        tie = first.setdefault(id(t), n)
+        entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+                       + (" trainable" if t.requires_grad else "")
+                       + (f" = {tie}" if tie != n else ""))
+    check_same(entries, comm, "the ranks built different models: parameter/buffer",
+               "build the same model on every rank before Engine(...)")
+
+
+def check_same(entries, comm, what, fix, kind="fingerprint"):
+    """Collective: every rank must hold the same list of strings. Two small all-gathers when
+    they agree (a count and a hash); else every rank raises, naming the first entry that differs
+    as rank 0 and the first other rank with it see it. Sizes agree on every rank at every step,
+    so this works without message headers (check=False) too."""
+    if comm.world_size == 1:
+        return
+    digest = [_hash(e) for e in entries]
+    whole = _hash("\n".join(entries))
+    # NCCL moves only CUDA tensors; the comparisons below run on the CPU.
+    dev = comm.device
+    heads = all_gather(torch.tensor([len(entries), whole], device=dev), comm, kind=kind)
+    heads = heads.view(-1, 2).cpu()
+    if (heads == heads[0]).all():
+        return
+    longest = int(heads[:, 0].max())
+    mine = torch.zeros(longest, dtype=torch.int64)
+    mine[:len(digest)] = torch.tensor(digest, dtype=torch.int64)
+    table = all_gather(mine.to(dev), comm, kind=kind).view(comm.world_size, -1).cpu()
+    i, k = min((i, k) for k in range(1, comm.world_size) for i in range(longest)
+               if table[k, i] != table[0, i])
+    say = (entries[i] if i < len(entries) else "nothing more").encode()[:200].ljust(200)
+    said = all_gather(torch.frombuffer(bytearray(say), dtype=torch.uint8).to(dev), comm,
+                      kind=kind).view(comm.world_size, -1).cpu()
+    theirs = [bytes(said[j].tolist()).decode(errors="replace").strip() for j in (0, k)]
+    raise ValueError(f"{what} #{i} is '{theirs[0]}' on rank 0 but '{theirs[1]}' on rank {k}; {fix}")
+
+
+def _hash(s):
+    return int.from_bytes(hashlib.sha256(s.encode()).digest()[:8], "little", signed=True)
+
+
+_T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
+_METADATA = {getattr(_T, n).__get__ for n in (
+    "shape", "dtype", "device", "requires_grad", "grad", "is_leaf", "grad_fn", "ndim", "layout",
+    "is_meta", "is_cuda", "is_cpu")} | {_T.data.__set__, _T.grad.__set__,
+                                         _T.requires_grad.__set__} | {getattr(_T, n) for n in (
+    "size", "dim", "numel", "nelement", "element_size", "is_floating_point", "requires_grad_",
+    "register_hook", "register_post_accumulate_grad_hook")}
+
+
+def mark_sharded(names, params):
+    """Stage 3: make each parameter a ShardedParameter, released (its unit is not gathered)."""
+    for n, p in zip(names, params):
+        p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, True
+
+
+class ShardedParameter(nn.Parameter):
+    """A stage-3 parameter. Between uses its storage is released, and reading it would read
+    freed memory (a crash), so any op on it then raises instead (its shape, dtype and numel
+    stay readable). PyTorch itself turns UninitializedParameter into a Parameter by assigning
+    __class__; the engine does the same, so the user's references stay valid."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # (an op's tensors are its arguments, or in a list or tuple of them: torch.cat's)
+        for a in chain(args, kwargs.values()) if func not in _METADATA else ():
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, ShardedParameter) and t.zero_released:
+                    raise RuntimeError(
+                        f"{t.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered "
+                        "now: read parameters inside `with engine.gathered():` (every rank enters "
+                        "it), or take engine.full_state_dict() (a collective); the engine must "
+                        "still be alive")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
 
 def check_modes(stage, reduce_every, reshard_after_forward, world_size, shard_size):
@@ -53,29 +157,6 @@ def check_modes(stage, reduce_every, reshard_after_forward, world_size, shard_si
                          + (f"one of {divisors}" if divisors else "True or False, as no such G "
                             "exists")
                          + " (True: release after forward; False: keep the unit gathered)")
-
-
-def check_same_model(model, comm):
-    """Collective: every rank must have built the same model, the same names, shapes,
-    dtypes, trainability and ties of every parameter and buffer (each later collective's
-    size depends on it). Otherwise raise on every rank, naming the first difference.
-    First, the model must be on the device the communicator moves tensors on."""
-    device = next(model.parameters()).device
-    # (a GPU model on CPU thread ranks would run all its backwards on one thread)
-    if device != comm.device and device.type != "meta":
-        raise ValueError(f"the model is on {device}, but this rank's communicator works on "
-                         f"{comm.device}; move it there first: model.to(comm.device)")
-    entries, first = [], {}
-    for n, t in chain(model.named_parameters(remove_duplicate=False),
-                      model.named_buffers(remove_duplicate=False)):
-        tie = first.setdefault(id(t), n)
-        entries.append(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
-                       + (" trainable" if t.requires_grad else "")
-                       + (f" = {tie}" if tie != n else ""))
-    check_same(entries, comm, "the ranks built different models: parameter/buffer",
-               "build the same model on "
-               "every rank before Engine(...)")
-
 
 
 def meta_owners(model, init):
@@ -115,84 +196,3 @@ def materialize(named, owners, device, init):
         init(name, q)
         out.append((name, q))
     return out
-
-
-def tensors(x):
-    """Every tensor in x, also inside tuples, lists, dicts and dataclasses (model outputs)."""
-    if torch.is_tensor(x):
-        yield x
-    elif isinstance(x, (tuple, list, dict)):
-        for y in x.values() if isinstance(x, dict) else x:
-            yield from tensors(y)
-    elif dataclasses.is_dataclass(x) and not isinstance(x, type):
-        for f in dataclasses.fields(x):
-            yield from tensors(getattr(x, f.name))
-
-
-def cast_floats(x, dtype):
-    """x with every float tensor in dtype, also inside tuples, lists and dicts."""
-    return map_tensors(x, lambda t: t.to(dtype) if t.is_floating_point() else t)
-
-
-def map_tensors(x, fn):
-    """x with fn applied to every tensor, also inside tuples, namedtuples, lists and dicts."""
-    if torch.is_tensor(x):
-        return fn(x)
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a namedtuple
-        return type(x)(*(map_tensors(y, fn) for y in x))
-    if isinstance(x, (tuple, list)):
-        return type(x)(map_tensors(y, fn) for y in x)
-    if isinstance(x, dict):
-        return type(x)((k, map_tensors(v, fn)) for k, v in x.items())
-    return x
-
-
-_T = torch.Tensor  # what may be asked of a released parameter: its metadata, never its values
-_METADATA = {getattr(_T, n).__get__ for n in ("shape", "dtype", "device", "requires_grad", "grad",
-                                              "is_leaf",
-                                                "grad_fn", "ndim", "layout", "is_meta", "is_cuda",
-                                                "is_cpu")} | {
-    _T.data.__set__, _T.grad.__set__, _T.requires_grad.__set__} | {
-    getattr(_T, n) for n in ("size", "dim", "numel", "nelement", "element_size",
-                             "is_floating_point",
-                             "requires_grad_", "register_hook",
-                             "register_post_accumulate_grad_hook")}
-
-
-def mark_sharded(names, params):
-    """Stage 3: make each parameter a ShardedParameter, released (its unit is not gathered)."""
-    for n, p in zip(names, params):
-        p.__class__, p.zero_name, p.zero_released = ShardedParameter, n, True
-
-
-class ShardedParameter(nn.Parameter):
-    """A stage-3 parameter. Between uses its storage is released, and reading it would
-    read freed memory, so any op on it then raises instead (its shape, dtype and numel
-    stay readable). PyTorch itself turns UninitializedParameter into a Parameter by
-    assigning __class__; the engine does the same, so the user's references stay valid."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func not in _METADATA:
-            for a in tensors((args, kwargs)):
-                if isinstance(a, ShardedParameter) and a.zero_released:
-                    raise RuntimeError(
-                        f"{a.zero_name} is sharded across ranks (ZeRO stage 3) and not gathered "
-                        "now: read parameters inside `with engine.gathered():` (every rank enters "
-                        "it), or take engine.full_state_dict() (a collective); the engine must "
-                        "still be alive")
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
-
-
-
-
-def broadcast_buffers(buffers, comm):
-    """DDP's broadcast_buffers, before each forward: rank 0's running stats everywhere, one
-    broadcast per dtype (kind "buffers", booked apart from Ψ)."""
-    for dtype in sorted({b.dtype for b in buffers}, key=str):
-        group = [b for b in buffers if b.dtype == dtype]
-        flat = broadcast(torch.cat([b.reshape(-1) for b in group]), comm, kind="buffers")
-        for b, x in zip(group, flat.split([b.numel() for b in group])):
-            b.copy_(x.view(b.shape))

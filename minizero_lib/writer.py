@@ -44,20 +44,21 @@ def save(engine, path, meta=None, background=False):
     tag = f"{engine.t:08d}-{int(broadcast(mine, comm, kind='checkpoint')):08x}"
     k = piece(engine, comm.rank)  # which 1/N of the layout this rank saves
     m = manifest(engine, tag, meta) if comm.rank == 0 else None  # (rank 0 writes it)
-    w = Write(path, tag, k, comm, snapshot(engine, k), m)
+    w = Write(engine, path, tag, k, snapshot(engine, k), m)
     if not background:
         w.write_shard()
         return agree(engine, w)
     w.thread = threading.Thread(target=w.run, name=f"checkpoint {path}", daemon=True)
     w.thread.start()
-    engine.saving = w
+    # Engine.close() finishes it, first, unless the next save or wait() does.
+    engine.at_close.insert(0, w)
 
 
 def wait(engine):
     """Collective where a background save is in flight (every rank calls it): wait until it
     is committed; if it failed, raise on every rank, naming it, with its files removed."""
-    w, engine.saving = engine.saving, None
-    if w is not None:
+    for w in [f for f in engine.at_close if isinstance(f, Write)]:
+        engine.at_close.remove(w)
         w.written.wait()
         agree(engine, w)
 
@@ -66,7 +67,9 @@ class Write:
     """One rank's part of one save: its shard written, and on rank 0 the manifest that commits
     every rank's; inline (save()), or on a thread while training goes on (background)."""
 
-    def __init__(self, path, tag, k, comm, shard, m):
+    def __init__(self, engine, path, tag, k, shard, m):
+        comm = engine.comm
+        self.engine = engine              # whose save this is: close() finishes it (__call__)
         self.path = path                  # the checkpoint's directory
         self.tag = tag                    # the save's name in its files (step and a random nonce)
         self.file = os.path.join(path, f"shard-{tag}-{k}.pt")  # this rank's shard, piece k
@@ -128,6 +131,10 @@ class Write:
     def remove(self):
         for f in (self.file, self.file + ".sha256"):
             _remove(f)
+
+    def __call__(self):
+        """Engine.close(), with this background save still in flight: wait() for it."""
+        wait(self.engine)
 
 
 def agree(engine, w):

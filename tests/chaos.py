@@ -4,6 +4,7 @@ Chaos: kill a training run at random moments, and show that it loses nothing.
     python tests/chaos.py --kills 5 --world-size 2 --stage 0
     python tests/chaos.py --kills 5 --world-size 4 --stage 3 --offload disk
     python tests/chaos.py --elastic 2 --world-size 4   # killed at 4 ranks, restarted at 2
+    python tests/chaos.py --elastic 2 --world-size 4 --reduce-order tree   # ...to the bit
     python tests/chaos.py --kills 0 --model demo       # the demo's GPT: the stall per save
 
 It runs train_gpt.py under torchrun --max-restarts M with --out-dir D --resume (one command
@@ -39,7 +40,8 @@ def demo_args(a, out_dir, data, background=True):
     """train_gpt.py's options for this chaos run: the same for the start and every restart."""
     args = ["--out-dir", out_dir, "--resume", "--stage", str(a.stage), "--steps", str(a.steps),
             "--save-interval", str(a.save_interval), "--eval-interval", str(a.eval_interval),
-            "--data", data, "--dropout", str(a.dropout), "--seed", str(a.seed)]
+            "--data", data, "--dropout", str(a.dropout), "--seed", str(a.seed),
+            "--reduce-order", a.reduce_order]
     args += TINY if a.model == "tiny" else []
     args += [] if background else ["--no-background-save"]
     if a.offload:
@@ -310,10 +312,15 @@ def elastic(a, data):
     diff = max((x[k] - y[k]).abs().max().item() for k in x)
     same = all(torch.equal(x[k], y[k]) for k in x)
     print(f"final state: bitwise equal {'yes' if same else 'no'}, max |difference| {diff:.2e} "
-          f"(largest value {max(x[k].abs().max().item() for k in x):.2f}): what differs is the "
-          f"summation order of the gradients ({a.world_size} ranks' sums, then {a.elastic} ranks' "
-          f"of twice the micro-batches each)")
-    return True
+          f"(largest value {max(x[k].abs().max().item() for k in x):.2f})" + (
+              f": what differs is the summation order of the gradients ({a.world_size} ranks' "
+              f"sums, then {a.elastic} ranks' of more micro-batches each)"
+              + (", and the dropout masks (each rank draws its own; --reduce-order tree draws "
+                 "each micro-batch's from its own seed)" if a.dropout else "")
+              if a.reduce_order == "ring" else ""))
+    # --reduce-order tree: the same bits at any world size, every val loss and the final state
+    vals_same = all(r["val"] == vals[r["step"]] for r in log[boundary:] if "val" in r)
+    return a.reduce_order == "ring" or (same and vals_same)
 
 
 def parse(argv=None):
@@ -331,6 +338,8 @@ def parse(argv=None):
     p.add_argument("--dropout", type=float, default=0.1, help="so that the ranks' RNG matters")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--elastic", type=int, help="kill every rank at half way, restart at this many")
+    p.add_argument("--reduce-order", choices=["ring", "tree"], default="ring",
+                   help="tree: the same bits at any world size, so --elastic's too")
     p.add_argument("--keep", action="store_true", help="keep the run folders (printed)")
     a = p.parse_args(argv)
     if a.kills < 0 or a.kills > a.steps - a.save_interval - 1:

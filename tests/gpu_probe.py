@@ -189,8 +189,8 @@ def _csan():
     its dispatch mode in the main thread only. One mode, shared (it holds what every stream
     touched), entered in each rank thread and communication thread, its handler locked."""
     from torch.cuda._sanitizer import CUDASanitizerDispatchMode
+    import minizero
     from minizero_lib import launch
-    import ops
     lock = threading.RLock()
 
     class Shared(CUDASanitizerDispatchMode):
@@ -198,7 +198,7 @@ def _csan():
             with lock:
                 return super().__torch_dispatch__(func, types, args, kwargs)
     mode = Shared()
-    rank_on, comm_thread = launch._rank_on, ops.comm_thread
+    rank_on, comm_thread = launch._rank_on, minizero.comm_thread
 
     import contextlib
 
@@ -211,7 +211,7 @@ def _csan():
         pool = comm_thread(comm)
         pool.submit(mode.__enter__).result()  # (one worker: its mode stays entered)
         return pool
-    launch._rank_on, ops.comm_thread = checked, checked_thread
+    launch._rank_on, minizero.comm_thread = checked, checked_thread
     mode.__enter__()
 
 

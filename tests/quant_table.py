@@ -24,7 +24,7 @@ sys.path.insert(0, ".")
 import train_gpt  # noqa: E402
 import minizero  # noqa: E402
 from minizero_lib import launch, quantize  # noqa: E402
-from minizero_lib.engine import Engine  # noqa: E402
+from minizero import Engine  # noqa: E402
 
 N, STEPS = 4, 3
 MODES = {"none": {}, "weights 8": dict(quantize_weights=8), "grads 8": dict(quantize_grads=8),

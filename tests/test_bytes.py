@@ -43,7 +43,8 @@ def run_modes(comm, modes=MODES, steps=2):
                 loss = m(*batches[step][micro][comm.rank])
                 memory.append(e.memory())  # between forward and backward: all a mode keeps
                 kept |= {(u.flat.untyped_storage().nbytes() // u.flat.element_size(),
-                          None if u.secondary is None else u.secondary.numel() * G(rf))
+                          None if u.index not in getattr(e, "secondary", {})
+                          else e.secondary[u.index].numel() * G(rf))
                          for u in e.units} if stage == 3 else set()
                 e.backward(loss)
                 memory.append(e.memory())  # between micro-batches: reduce_every="step"'s bucket

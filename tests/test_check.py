@@ -14,15 +14,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minizero_lib import cli
-from minizero_lib import check
-from minizero_lib import engine
 import minizero
-from minizero_lib import optimizers
+from minizero_lib import check, cli, optimizers
 from minizero_lib.report import to_device
-from minizero_lib import stages
-from minizero_lib import unit
-from minizero_lib import user_model
 
 torch.set_num_threads(1)
 
@@ -84,9 +78,9 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
     a weight_decay=0 group referees it, so an engine that decays everything is found."""
     decay = dict(decay=lambda name, p: p.dim() >= 2, weight_decay=0.5)
     assert run(world_sizes=(2,), **decay).ok
-    real = engine.Unit
-    monkeypatch.setattr(engine, "Unit", lambda index, module, named, comm, shards, dtype, cut, decay, *rest:
-                        real(index, module, named, comm, shards, dtype, cut, None, *rest))
+    real = minizero.Unit
+    monkeypatch.setattr(minizero, "Unit", lambda index, module, named, comm, group, dtype, cut, decay, *rest:
+                        real(index, module, named, comm, group, dtype, cut, None, *rest))
     first = run(world_sizes=(2,), stages=(0,), **decay).first
     assert first.what == "referee-update" and first.name in ("gate", "layers.0.bias", "head.bias", "layers.1.bias")
 
@@ -94,7 +88,8 @@ def test_a_decay_mask_is_held_to_torchs_param_groups(monkeypatch):
 def test_ranks_start_from_rank_0s_values(monkeypatch):
     """check builds ranks 1.. from other values (every parameter and buffer plus the rank):
     without the unit's initial broadcast (DDP's), the ranks train apart."""
-    monkeypatch.setattr(unit, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
+    # (Small has no frozen parameters or buffers: the engine's broadcasts are the units')
+    monkeypatch.setattr(minizero, "broadcast", lambda x, comm, src=0, kind="broadcast": x)
     first = run(world_sizes=(2,), stages=(0, 1)).first
     assert (first.what, first.stage, first.rank, first.step) == ("initial", 0, 1, 0)
     assert first.ours == first.theirs + 1  # rank 1's own value: rank 0's plus one
@@ -104,8 +99,8 @@ def test_a_nan_that_torch_does_not_share(monkeypatch):
     """AdamW without eps: 0/0 where a gradient is exactly zero (embedding rows no batch
     looks up). Every stage shares the NaN, torch (with eps) does not: a finding, not
     'all stages agree'; and the steps skipped after it leave the parameters as they were."""
-    real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
                         real(p, g, m, v, t, lr, b1, b2, 0.0, **kw))
     report = run(world_sizes=(2,), eps=1e-8)
     first = report.first
@@ -116,13 +111,13 @@ def test_a_nan_that_torch_does_not_share(monkeypatch):
 
 
 def test_a_skipped_step_must_leave_the_parameters(monkeypatch):
-    real = engine.Engine._skip
+    real = minizero.Engine._skip
 
     def skips_but_decays(self, bad):
         for u in self.units:
             u.master.mul_(0.5)
         return real(self, bad)
-    monkeypatch.setattr(engine.Engine, "_skip", skips_but_decays)
+    monkeypatch.setattr(minizero.Engine, "_skip", skips_but_decays)
     first = run(world_sizes=(1,), stages=(0,), dtype=torch.float16, loss_scale=2.0**40).first
     # Every parameter moved: the first named is the state's first, the root unit's own gate,
     # whatever the hash seed.
@@ -132,14 +127,14 @@ def test_a_skipped_step_must_leave_the_parameters(monkeypatch):
 def test_moments_and_step_counts_are_compared_across_stages(monkeypatch):
     """AdamW's m, v and per-parameter step counts are held to stage 0's after every step: a
     stage whose count runs ahead is found at that step, before a later bias correction shows."""
-    real = engine.Engine._drop_grads
+    real = minizero.Engine._drop_grads
 
     def counts_ahead(self):
         if self.stage == 2:
             for u in self.units:
                 u.steps = [t + 1 for t in u.steps]
         return real(self)
-    monkeypatch.setattr(engine.Engine, "_drop_grads", counts_ahead)
+    monkeypatch.setattr(minizero.Engine, "_drop_grads", counts_ahead)
     first = run(world_sizes=(2,)).first
     assert (first.what, first.step, first.stage, first.name) == ("optimizer", 0, 2, "gate (AdamW step count)")
 
@@ -159,13 +154,13 @@ def test_a_model_that_draws_from_the_global_rng():
 
 
 def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
-    real = unit.zero_update
+    real = minizero.Unit.update
 
-    def decays_twice(master, state, reduced, steps, hp, comm, flat, shard, whole_rule=None):
-        if shard is not None:  # stage 3 only
-            master.mul_(1 - hp.lr * hp.weight_decay)
-        return real(master, state, reduced, steps, hp, comm, flat, shard, whole_rule)
-    monkeypatch.setattr(unit, "zero_update", decays_twice)
+    def decays_twice(self, hp, group):
+        if self.shard is not None:  # stage 3 only
+            self.master.mul_(1 - hp.lr * hp.weight_decay)
+        return real(self, hp, group)
+    monkeypatch.setattr(minizero.Unit, "update", decays_twice)
     report = run()
     first = report.first
     assert (first.what, first.step, first.stage, first.name) == ("params", 0, 3, "gate")  # the root's own, first
@@ -174,13 +169,13 @@ def test_a_wrong_decay_on_stage_3s_shards(monkeypatch):
 
 def test_a_wrong_param_all_gather_on_stages_1_and_2(monkeypatch):
     """The fp32 master is right, the 16-bit params forward reads are not: found at once."""
-    real = unit.zero_update
+    real = minizero.Unit.update
 
-    def gathers_wrong(master, state, reduced, steps, hp, comm, flat, shard, whole_rule=None):
-        real(master, state, reduced, steps, hp, comm, flat, shard, whole_rule)
-        if shard is None:
-            flat[-1] += 1.0  # each unit's last element; the root's is head.bias[10]
-    monkeypatch.setattr(unit, "zero_update", gathers_wrong)
+    def gathers_wrong(self, hp, group):
+        real(self, hp, group)
+        if self.cut["optimizer"] and self.shard is None:
+            self.flat[-1] += 1.0  # each unit's last element; the root's is head.bias[10]
+    monkeypatch.setattr(minizero.Unit, "update", gathers_wrong)
     report = run(stages=(0, 1, 2), dtype=torch.bfloat16)  # (in fp32 the master is flat itself)
     first = report.first
     assert (first.what, first.step, first.stage, first.name, first.index) == ("params", 0, 1, "head.bias", 10)
@@ -188,13 +183,13 @@ def test_a_wrong_param_all_gather_on_stages_1_and_2(monkeypatch):
 
 
 def test_a_micro_batch_skipped_on_one_rank(monkeypatch):
-    real = engine.Engine._reduce
+    real = minizero.Engine._reduction
 
-    def forgets(self, u):
+    def forgets(self, u, first, last):
         if self.stage == 2 and self.comm.rank == 1 and self.micro == 1:
             u.bucket.zero_()  # rank 1's second micro-batch never reaches the sum
-        return real(self, u)
-    monkeypatch.setattr(engine.Engine, "_reduce", forgets)
+        return real(self, u, first, last)
+    monkeypatch.setattr(minizero.Engine, "_reduction", forgets)
     first = run(grad_accum=2).first
     assert (first.what, first.step, first.micro, first.stage, first.rank) == ("grads", 0, 1, 2, 0)
     assert first.name == "gate"  # rank 0 owns the first chunk of the root unit, which starts with its own gate
@@ -209,7 +204,7 @@ def test_ranks_that_drift_apart():
 
 def test_batchnorm_agrees_with_the_buffer_broadcast(monkeypatch):
     assert run(model=dict(bn=True)).ok  # rank 0's running stats, broadcast before every forward
-    monkeypatch.setattr(engine, "broadcast_buffers", lambda buffers, comm: None)
+    monkeypatch.setattr(minizero, "broadcast_buffers", lambda buffers, comm: None)
     first = run(model=dict(bn=True)).first  # each rank's forward reads its own: the ranks part
     assert (first.what, first.step, first.rank, first.name) == ("ranks", 1, 1, "bn.running_mean (as forward read it)")
 
@@ -219,26 +214,26 @@ def test_batchnorm_agrees_with_the_buffer_broadcast(monkeypatch):
 
 
 def no_mean_over_ranks(monkeypatch):
-    real = engine.Hyper
-    monkeypatch.setattr(engine, "Hyper", lambda lr, wd, options, unscale, coef:
+    real = minizero.Hyper
+    monkeypatch.setattr(minizero, "Hyper", lambda lr, wd, options, unscale, coef:
                         real(lr, wd, options, unscale * 3, coef))
 
 
 def decay_twice(monkeypatch):
-    real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
                         real(p.mul_(1 - lr * KW["weight_decay"]), g, m, v, t, lr, b1, b2, eps, **kw))
 
 
 def clip_on_the_squared_norm(monkeypatch):
-    real = stages.all_gather
-    monkeypatch.setattr(stages, "all_gather", lambda x, comm, out=None, kind="all_gather":
+    real = minizero.all_gather
+    monkeypatch.setattr(minizero, "all_gather", lambda x, comm, out=None, kind="all_gather":
                         real(x * x if kind == "clip" else x, comm, out, kind))
 
 
 def no_bias_correction(monkeypatch):
-    real = optimizers.adamw
-    monkeypatch.setattr(optimizers, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
+    real = minizero.adamw
+    monkeypatch.setattr(minizero, "adamw", lambda p, g, m, v, t, lr, b1, b2, eps, **kw:
                         real(p, g, m, v, 1e9, lr, b1, b2, eps, **kw))
 
 
@@ -312,7 +307,7 @@ def test_batches_in_containers_reach_the_device():
     lists and dicts (here with a function that marks them, as the CPU cannot move them)."""
     Pair = collections.namedtuple("Pair", "x y")
     batch = {"a": (torch.zeros(2), [torch.zeros(1, dtype=torch.long)]), "b": Pair(torch.ones(1), 3), "c": "text"}
-    out = user_model.map_tensors(batch, lambda t: t + 1)
+    out = minizero.map_tensors(batch, lambda t: t + 1)
     assert type(out["b"]) is Pair and out["b"].y == 3 and out["c"] == "text"
     assert torch.equal(out["a"][0], torch.ones(2)) and torch.equal(out["b"].x, torch.full((1,), 2.0))
     assert torch.equal(out["a"][1][0], torch.ones(1, dtype=torch.long))  # ints too
@@ -336,7 +331,7 @@ def test_whole_tensor_updates_on_the_local_shard_only(monkeypatch, optimizer):
     here each rank sees its own chunk and zeros for the rest of every matrix."""
     def local_only(comm, device):
         return lambda x: torch.cat([x if r == comm.rank else torch.zeros_like(x) for r in range(comm.world_size)])
-    monkeypatch.setattr(stages, "gather_whole", local_only)
+    monkeypatch.setattr(optimizers, "gather_whole", local_only)
     report = run_optim(optimizer=optimizer)
     first = report.first
     assert (first.what, first.step, first.stage) == ("params", 0, 1), report
@@ -344,8 +339,8 @@ def test_whole_tensor_updates_on_the_local_shard_only(monkeypatch, optimizer):
 
 
 def sgd_decoupled_decay(monkeypatch):
-    real = optimizers.sgd
-    monkeypatch.setattr(optimizers, "sgd", lambda p, g, buf, t, lr, momentum, nesterov, wd:
+    real = minizero.sgd
+    monkeypatch.setattr(minizero, "sgd", lambda p, g, buf, t, lr, momentum, nesterov, wd:
                         real(p.mul_(1 - lr * wd), g, buf, t, lr, momentum, nesterov, 0.0))
 
 
@@ -377,7 +372,7 @@ def test_check_on_cuda_runs_deterministic_kernels_only(monkeypatch):
     cuBLAS's setting in the environment (spawned ranks inherit it). Recorded: no GPU needed."""
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    restore = check._deterministic(torch.device("cuda"))
+    restore = check.deterministic(torch.device("cuda"))
     try:
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
@@ -386,12 +381,12 @@ def test_check_on_cuda_runs_deterministic_kernels_only(monkeypatch):
         restore()
     assert (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) == before
     seen = []
-    monkeypatch.setattr(check, "_deterministic", seen.append)
+    monkeypatch.setattr(check, "deterministic", seen.append)
 
     def make_model():  # a spawned rank: it builds its own model, after the switch
         raise LookupError(list(seen))
     with pytest.raises(LookupError, match=r"\[device\(type='cuda'\)\]"):
-        check._rank(SimpleNamespace(device=torch.device("cuda")), 0, dict(make_model=make_model))
+        check.rank_run(SimpleNamespace(device=torch.device("cuda")), 0, dict(make_model=make_model))
 
 
 def test_cli_modes_reach_check(tmp_path, monkeypatch, capsys):

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero_lib import engine as engine_module
-from minizero_lib import launch, offload, optimizers
-from minizero import Engine
+import minizero
 import ops
+from minizero import Engine
+from minizero_lib import launch, offload, optimizers
 
 torch.set_num_threads(1)
 
@@ -134,20 +134,20 @@ def test_a_native_collective_in_place_waits_for_every_ranks_read_on_the_stream(f
 
 
 # -----------------------------------------------------------------------------
-# 2. no cached tensor shared across rank threads' streams: optimizers.scalars
+# 2. no cached tensor shared across rank threads' streams: minizero.scalars
 
 def test_cached_scalars_are_per_stream(monkeypatch, fake_streams):
-    """optimizers.scalars caches 0-d tensors by device and values; on one GPU shared by
+    """minizero.scalars caches 0-d tensors by device and values; on one GPU shared by
     thread ranks, the first rank's torch.full is queued on its stream and another rank
     reading it on its own stream has no event between: each stream gets its own."""
     full = torch.full
     monkeypatch.setattr(torch, "full", lambda size, x, dtype=None, device=None: full(size, x, dtype=dtype))
-    optimizers.scalars.cache_clear()
+    minizero.scalars.cache_clear()
     cuda = torch.device("cuda", 0)
     got = {}
 
     def rank(r):
-        got[r] = (optimizers.scalars(cuda, 0.5, 0.25), optimizers.scalars(cuda, 0.5, 0.25))
+        got[r] = (minizero.scalars(cuda, 0.5, 0.25), minizero.scalars(cuda, 0.5, 0.25))
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
     for t in threads:
         t.start()
@@ -155,7 +155,7 @@ def test_cached_scalars_are_per_stream(monkeypatch, fake_streams):
         t.join()
     assert got[0][0] is got[0][1] and got[1][0] is got[1][1]  # a cache, per stream
     assert all(a is not b for a, b in zip(got[0][0], got[1][0])), "one cached tensor on two streams"
-    optimizers.scalars.cache_clear()
+    minizero.scalars.cache_clear()
 
 
 # -----------------------------------------------------------------------------
@@ -280,9 +280,9 @@ def test_nccl_waits_have_no_host_timeout_and_headers_are_made_on_the_host(monkey
 # 4. offload's copies queued, not blocking; 5. one pinned region per rank, offloaded()'s bytes
 
 def _offloaded_run(monkeypatch, world_size, stage, kw, steps=2):
-    """Train on thread ranks with the host state "pinned" as on a GPU (Engine's Place with
-    pin=True, cudaHostRegister recorded), every tensor outside pinned memory counted as the
-    GPU's (Tensor.is_cuda), each thread on a fake stream; -> (recorder, engines, registered)."""
+    """Train on thread ranks with the host state pinned as on a GPU (cudaHostRegister
+    recorded: every tensor outside pinned memory counts as the GPU's, Tensor.is_cuda), each
+    thread on a fake stream; -> (recorder, engines, registered)."""
     from test_host_reads import train
     rec, registered, engines = Recorder(monkeypatch), [], []
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: not rec.is_pinned(t)))
@@ -299,8 +299,6 @@ def _offloaded_run(monkeypatch, world_size, stage, kw, steps=2):
     cudart = SimpleNamespace(cudaHostRegister=register, cudaHostUnregister=lambda ptr: 0,
                              cudaError=SimpleNamespace(success=0))
     monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
-    real = engine_module.placement
-    monkeypatch.setattr(engine_module, "placement", lambda *a: real(*a)._replace(pin=True))
     real_init = Engine.__init__
 
     def init(self, *a, **k):
@@ -315,8 +313,8 @@ def _offloaded_run(monkeypatch, world_size, stage, kw, steps=2):
 @pytest.mark.parametrize("stage,optimizer", [(3, "adamw"), (1, "adamw"), (3, "muon"), (2, "adafactor")])
 def test_offload_copies_are_queued_and_read_after_an_event(monkeypatch, fake_streams, stage, optimizer):
     """An offloaded run makes no blocking host<->device copy in forward, backward or step:
-    stage 3's shard comes in from pinned memory not blocking (stages.gather_params); the
-    step's flags are made on the host (agree.py: torch.tensor(..., device=cuda) is a blocking
+    stage 3's shard comes in from pinned memory not blocking (features' gather); the step's
+    flags are made on the host (Engine._agree: torch.tensor(..., device=cuda) is a blocking
     copy); the update's copies to and from the pinned state are queued (optimizers.update),
     and what comes to the host (the reduced gradient, Muon's and Adafactor's results) goes
     through pinned staging, read only after an event's host wait."""
@@ -372,8 +370,11 @@ def test_disk_offload_makes_its_state_on_the_host(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "to", lambda t, *a, **k: torch.zeros(t.shape, dtype=t.dtype)
                         if t.is_meta and "cpu" in map(str, a) else real(t, *a, **k))
     added = []
-    place = offload.Place("disk", disk=SimpleNamespace(add=lambda i, state: added.append(state)))
-    assert place.optimizer_state(0, torch.empty(8, device="meta"), torch.bfloat16, {"m": 8, "v": 8}) == (None, None)
+    disk = SimpleNamespace(add=lambda i, state: added.append(state))
+    u = SimpleNamespace(index=0, owned=torch.empty(8, device="meta"), shard=None, sizes={"m": 8, "v": 8},
+                        flat=torch.empty(16, dtype=torch.bfloat16, device="meta"))
+    offload.offload_unit(u, "disk", False, disk)
+    assert (u.master, u.state) == (None, None)
     assert {k: t.device.type for k, t in added[0].items()} == {"master": "cpu", "m": "cpu", "v": "cpu"}
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero_lib import cli
+from minizero_lib import cli, planner
 import minizero
 from minizero_lib import launch
 import ops
@@ -148,7 +148,7 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "short.txt").write_bytes(b"x" * 300)  # val split: 30 bytes < block_size + 1
     (tmp_path / "bad.json").write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
     (tmp_path / "list.json").write_text("[1, 2]")
-    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stage": 2, "overlap_comm": true}}')
+    (tmp_path / "unknown.json").write_text('{"zero_optimization": {"stgae": 2, "overlap_comm": true}}')
     (tmp_path / "a_file").write_text("")
     return tmp_path
 
@@ -172,7 +172,7 @@ def files(tmp_path, monkeypatch):
     ("--config {d}/missing.json", "--config {d}/missing.json: No such file or directory"),
     ("--config {d}/bad.json", "--config {d}/bad.json is not valid JSON: line 2"),
     ("--config {d}/list.json", "holds a JSON list; a DeepSpeed config is an object"),
-    ("--config {d}/unknown.json", "unknown key 'zero_optimization.overlap_comm'"),
+    ("--config {d}/unknown.json", "unknown key 'zero_optimization.stgae': did you mean 'zero_optimization.stage'?"),
     ("--out-dir {d}/a_file/ckpt", "--out-dir {d}/a_file/ckpt cannot be created or written"),
     ("--resume", "--resume needs --out-dir"),
 ])
@@ -223,14 +223,14 @@ def test_planner_bad_input_is_one_line(capsys, argv, says):
 def test_planner_memory_units(capsys):
     for text, n in [("80GB", 80e9), ("80GiB", 80 * 2**30), ("1TB", 1e12), ("512MB", 512e6),
                     ("1.5TiB", 1.5 * 2**40), ("80", 80e9), ("80gb", 80e9), ("2048 KiB", 2**21)]:
-        assert cli.parse_bytes(text) == n, text
+        assert planner.parse_bytes(text) == n, text
     cli.main(["--params", "7.5e9", "--world-size", "64", "--memory", "80GiB"])
     assert capsys.readouterr().out.splitlines()[2].endswith(f"{80 * 2**30 / 16:.3g} parameters")
 
 
 @pytest.mark.parametrize("params, world_size", [(1e15, 1), (1e15, 3), (7.5e9, 64), (1, 1)])
 def test_planner_columns_never_run_together(params, world_size):
-    lines = cli.plan(params, world_size, torch.float32, memory=1e12)
+    lines = planner.plan(params, world_size, torch.float32, memory=1e12)
     assert lines[1].split()[:6] == ["stage", "params", "grads", "optimizer", "total/rank", "sent/step"]
     numel = -(-int(params) // world_size) * world_size
     for stage, line in enumerate(lines[2:]):

@@ -1,7 +1,7 @@
 """
 The GPU's rules, modelled on the CPU (no GPU needed), so that code which CI cannot run on
 a GPU is still held to what NCCL and CUDA demand: NCCL's point-to-point rules
-(strict_p2p, nccl_model.py), torch's collectives in flight (async_op: ops.in_flight),
+(strict_p2p, nccl_model.py), torch's collectives started without waiting (async_op: ops.started),
 and each rank's own GPU made current everywhere (the device calls recorded).
 """
 import time
@@ -12,23 +12,23 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minizero_lib import flight
-from minizero_lib import launch
+import minizero
 import ops
+from minizero_lib import flight, launch
 from test_ops import _expect_failure, _planted, assert_bits_equal
 
 torch.set_num_threads(1)
 
 
 # -----------------------------------------------------------------------------
-# torch's collectives in flight: started, and finished at their wait
+# torch's collectives started, and finished at their wait
 
-def _in_flight(comm, write):
-    """An all-reduce started in flight, its output read before the wait and (write=True) its
+def _started_early(comm, write):
+    """An all-reduce started without waiting, its output read before the wait and (write=True) its
     input written before it; the flight record seen before and after."""
     comm.native = True
     x = torch.full((6,), comm.rank + 1.0)
-    with ops.in_flight(comm) as pending:
+    with ops.started(comm) as pending:
         y = ops.all_reduce(x, comm)
     rec, early = comm.flight.records[-1], y.clone()
     running = (rec[flight.T1] is None, comm.flight.current)
@@ -39,22 +39,22 @@ def _in_flight(comm, write):
     return early, y, running, rec[flight.T1] is not None, comm.flight.current
 
 
-def test_in_flight_is_modelled_as_strictly_as_a_transport_may_run_it():
-    """On threads a native collective in flight meets its peers at the wait: until then its
+def test_started_early_is_modelled_as_strictly_as_a_transport_may_run_it():
+    """On threads a native collective started early meets its peers at the wait: until then its
     output holds NaN (a read before the wait shows in the result) and writing its input
     raises, so the engine's overlap on torch's collectives is proven here as NCCL runs it.
     Its flight record stays open, outside the rank's current collective, until the wait."""
-    for early, y, running, ended, current in launch.run_threads(_in_flight, 3, False):
+    for early, y, running, ended, current in launch.run_threads(_started_early, 3, False):
         assert early.isnan().all() and torch.equal(y, torch.full((6,), 6.0))
         assert running == (True, None) and ended and current is None
-    _expect_failure(lambda: launch.run_threads(_in_flight, 3, True), "input of a native all_reduce in flight "
+    _expect_failure(lambda: launch.run_threads(_started_early, 3, True), "input of a native all_reduce started (ops.started) "
                     "was written before its wait")
 
 
-def test_a_stall_in_flight_names_the_collective_waited_for():
+def test_a_stall_started_early_names_the_collective_waited_for():
     def fn(comm):
         comm.native = True
-        with ops.in_flight(comm) as pending:
+        with ops.started(comm) as pending:
             ops.all_gather(torch.ones(2), comm)
         if comm.rank == 1:
             time.sleep(2)  # rank 1 waits late: rank 0, waiting, is in that all-gather
@@ -165,7 +165,7 @@ def test_the_communication_thread_makes_the_ranks_gpu_current(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.cuda, "set_device", calls.append)
     for device in (torch.device("cuda", 2), torch.device("cpu")):
-        pool = ops.comm_thread(SimpleNamespace(rank=1, device=device))
+        pool = minizero.comm_thread(SimpleNamespace(rank=1, device=device))
         pool.submit(lambda: None).result()
         pool.shutdown()
     assert calls == [torch.device("cuda", 2)]
@@ -180,9 +180,10 @@ def test_init_from_env_checks_local_rank_and_starts_nccl_at_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
-    monkeypatch.setattr(ops, "ProcessComm", lambda *args: "comm")
+    monkeypatch.setattr(ops, "ProcessComm", lambda *args: SimpleNamespace(rank=0, name="comm"))
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert launch.init_from_env() == "comm"
+    monkeypatch.setenv("RANK", "1")
+    assert launch.init_from_env().name == "comm"
     assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", torch.device("cuda", 1))]
     monkeypatch.setenv("LOCAL_RANK", "2")
     with pytest.raises(ValueError, match=r"LOCAL_RANK is 2 but this process sees 2 GPU\(s\).*--nproc_per_node=2"):

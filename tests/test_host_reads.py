@@ -13,9 +13,9 @@ import threading
 import pytest
 import torch
 
-from minizero_lib import unit
-from minizero_lib import launch
+import minizero
 from minizero import Engine
+from minizero_lib import launch
 from train_gpt import GPT, GPTConfig
 
 DEVICE = os.environ.get("MINIZERO_DEVICE", "cpu")
@@ -120,8 +120,8 @@ def test_one_host_read_per_step_and_none_in_backward(world_size, case):
 
 def test_the_recorder_sees_a_read_in_a_reduction(monkeypatch):
     """A planted read on the communication thread (a loss scale check, say) is counted."""
-    real = unit.reduce_grads
-    monkeypatch.setattr(unit, "reduce_grads", lambda local, *a: (local.sum().item(), real(local, *a))[1])
+    real = minizero.reduce_grads
+    monkeypatch.setattr(minizero, "reduce_grads", lambda local, *a: (local.sum().item(), real(local, *a))[1])
     with recorded() as (counts, phase):
         launch.run_threads(train, 2, 0, {}, 2, phase, device=DEVICE)
     assert counts["comm"] == 2 * 2 * 3, counts  # two ranks, two steps, three units
@@ -130,11 +130,11 @@ def test_the_recorder_sees_a_read_in_a_reduction(monkeypatch):
 
 def test_the_recorder_sees_a_blocking_copy_in_the_step(monkeypatch):
     """torch.tensor(..., device=) is a blocking copy to a GPU: the step's flags made that way
-    (agree.py as it was) are a second host wait per step."""
-    from minizero_lib import agree
-    real = agree.all_gather
-    monkeypatch.setattr(agree, "all_gather",
-                        lambda x, *a, **k: real(x + torch.tensor(0.0, dtype=x.dtype, device=x.device), *a, **k))
+    (as they once were) are a second host wait per step."""
+    real = minizero.all_gather
+    plant = lambda x: x + torch.tensor(0.0, dtype=x.dtype, device=x.device)  # noqa: E731
+    monkeypatch.setattr(minizero, "all_gather",
+                        lambda x, *a, **k: real(plant(x) if k.get("kind") == "flags" else x, *a, **k))
     with recorded() as (counts, phase):
         launch.run_threads(train, 2, 1, {}, 2, phase, device=DEVICE)
     assert counts["step"] == 2 * 2 * 2, counts  # two ranks, two steps, the flags' read and the planted copy

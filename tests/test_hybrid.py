@@ -14,13 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minizero_lib import check
-from minizero_lib import cli
-from minizero_lib import engine
-from minizero_lib import unit
 import minizero
-from minizero_lib import launch
-import ops
+from minizero_lib import check, cli, hybrid, launch, planner
 from test_checkpoint import case, logical, train
 from test_equivalence import FIXED, Net, assert_same, cases, make, on_gloo, run_check
 
@@ -48,7 +43,7 @@ def test_every_stage_at_a_shard_size_is_stage_0s_bits_and_stage_0_is_torch(c):
 def test_shard_size_of_the_whole_world_is_plain_zero():
     """S = N takes today's path: the shard group is the world itself, nothing is copied."""
     def body(comm):
-        shards, replicas = ops.split(comm, comm.world_size)
+        shards, replicas = hybrid.split(comm, comm.world_size)
         return shards is comm and replicas.world_size == 1
     assert all(launch.run_threads(body, 3))
 
@@ -70,17 +65,17 @@ BUG["engine"] = dict(FIXED[0]["engine"], shard_size=2)
 def test_a_clipping_norm_summed_over_the_replicas_too(monkeypatch):
     """Every stage makes the same mistake, so only the referee (torch's clip_grad_norm_)
     can see it: the norm counts each element R times."""
-    real = engine.clip_coef
-    monkeypatch.setattr(engine, "clip_coef", lambda g, max_norm, shards: real(g, max_norm, shards.comm))
+    real = minizero.clip_coef
+    monkeypatch.setattr(minizero, "clip_coef", lambda g, max_norm, shards: real(g, max_norm, shards.comm))
     report = run_check(BUG, stages=(0,))
     assert report.first.what == "referee-update", f"\n{report}"
 
 
 def test_replicas_that_never_all_reduce(monkeypatch):
     """An (n, 1) mesh's bug: each group trains on its own ranks' gradients only."""
-    alone = lambda replicas: ops.Group(replicas.comm, [replicas.comm.rank])  # noqa: E731
-    real = unit.all_reduce_replicas
-    monkeypatch.setattr(unit, "all_reduce_replicas", lambda reduced, replicas: real(reduced, alone(replicas)))
+    alone = lambda replicas: hybrid.Group(replicas.comm, [replicas.comm.rank])  # noqa: E731
+    real = hybrid.all_reduce_replicas
+    monkeypatch.setattr(hybrid, "all_reduce_replicas", lambda reduced, replicas: real(reduced, alone(replicas)))
     report = run_check(BUG, stages=(0, 3))
     assert report.rows[1].first is not None and not report.rows[1].bytes_ok, f"\n{report}"
     assert report.rows[1].first.what in ("grads", "bytes", "ranks"), f"\n{report}"
@@ -137,7 +132,7 @@ def test_bytes_inside_and_across_nodes_are_the_formulas(N, S, node):
             intra.append(sum(b for r, peer, b in sent if peer // node == r // node))
             inter.append(sum(b for r, peer, b in sent if peer // node != r // node))
         busiest = max(sum(b for peer, b in to.items() if peer // node != r // node) for r, (to, _) in enumerate(ranks))
-        expect = cli.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
+        expect = planner.link_bytes_per_step(numel, N, stage, node, c["dtype"], 2, None, S)
         assert {"intra": max(intra), "inter": max(inter), "busiest": busiest} == expect, stage
 
 
@@ -180,16 +175,16 @@ def test_checkpoints_move_between_meshes(tmp_path, saved_at, loaded_at):
 def gloo_world(comm):
     torch.set_num_threads(1)
     spec = _spec(BUG)
-    ring = [check._rank(comm, s, spec) for s in (0, 3)]
+    ring = [check.rank_run(comm, s, spec) for s in (0, 3)]
     # reduce-scatter and all-gather in each group, all-reduce across: on torch's process groups
-    native = [check._rank(comm, s, _spec(BUG, native=True)) for s in (0, 3)]
+    native = [check.rank_run(comm, s, _spec(BUG, native=True)) for s in (0, 3)]
     # and while the world is up, plain ZeRO on torch's collectives without headers (as on NCCL):
-    # micro-batch 0's start in flight (ops.in_flight, gloo's async works), micro-batch 1's add to
+    # micro-batch 0's start without waiting (ops.started, gloo's async works), micro-batch 1's add to
     # the sum on the thread; overlap=False waits each
     comm.check = False
-    flying = [check._rank(comm, s, _spec(BUG, native=True, shard_size=None, overlap=o)) for s, o in
+    started = [check.rank_run(comm, s, _spec(BUG, native=True, shard_size=None, overlap=o)) for s, o in
               ((0, True), (3, True), (0, False))]
-    return ring, native, flying
+    return ring, native, started
 
 
 def _spec(c, **kw):
@@ -201,15 +196,15 @@ def _spec(c, **kw):
 @on_gloo
 def test_processes_at_a_shard_size():
     results = launch.run_processes(gloo_world, 4)
-    threads = [launch.run_threads(check._rank, 4, s, _spec(BUG)) for s in (0, 3)]
-    for rank, (ring, native, flying) in enumerate(results):
+    threads = [launch.run_threads(check.rank_run, 4, s, _spec(BUG)) for s in (0, 3)]
+    for rank, (ring, native, started) in enumerate(results):
         for i in range(2):
             for a, b in zip(ring[i].history, threads[i][rank].history):
                 assert_same(a.state, b.state)
         for a, b in zip(native[0].history, native[1].history):  # torch's order, the same in both stages
             assert_same(a.state, b.state)
-        for run in flying[1:]:
-            for a, b in zip(flying[0].history, run.history):
+        for run in started[1:]:
+            for a, b in zip(started[0].history, run.history):
                 assert_same(a.state, b.state)
 
 
@@ -219,14 +214,14 @@ def test_processes_at_a_shard_size():
 
 def test_ring_model_by_hand():
     """4 ranks on 2 nodes of 2, Ψ = 4000 bf16, 1 unit, 1 s per hop, 100 B/s inside a node, 10 across."""
-    links = cli.Links(intra=100.0, inter=10.0, latency=1.0)
+    links = planner.Links(intra=100.0, inter=10.0, latency=1.0)
     # hybrid 2x2: reduce-scatter and all-gather of Ψ inside a node, 2000 elements = 4000 B each at
     # 100 B/s, 1 hop each; the all-reduce of Ψ/2 between the nodes, 4000 B at 10 B/s, 2 hops
-    assert cli.ring_seconds(4000, 4, 0, 2, 2, links, 1) == (40 + 40 + 400, 1 + 1 + 2)
+    assert planner.ring_seconds(4000, 4, 0, 2, 2, links, 1) == (40 + 40 + 400, 1 + 1 + 2)
     # flat: one ring over both nodes, as slow as its slowest hop: 6000 B twice at 10 B/s, 3 hops each
-    assert cli.ring_seconds(4000, 4, 0, 2, 4, links, 1) == (1200, 6)
+    assert planner.ring_seconds(4000, 4, 0, 2, 4, links, 1) == (1200, 6)
     # stage 3 gathers twice per micro-batch: 3 collectives inside the node, per unit (5 units)
-    assert cli.ring_seconds(4000, 4, 3, 2, 2, links, 5) == (40 * 3 + 400, 5 * 3 + 5 * 2)
+    assert planner.ring_seconds(4000, 4, 3, 2, 2, links, 5) == (40 * 3 + 400, 5 * 3 + 5 * 2)
 
 
 def test_planner_at_1024_gpus(capsys):

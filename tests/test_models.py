@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import minizero
 from minizero_lib import launch
-from minizero_lib.check import _perturb
+from minizero_lib.check import perturb
 
 torch.set_num_threads(1)
 V, D = 13, 8  # vocabulary and width of every model here
@@ -140,7 +140,7 @@ def _train_one(comm, stage, model_kw, engine_kw=None, steps=1, poison=None, rout
                 loss = loss * float("nan")
             engine.backward(loss)
         out.append((engine.step(), engine.full_state_dict(), [list(u.steps) for u in engine.units],
-                    engine.scaler.skipped))
+                    engine.skipped))
     return out
 
 
@@ -223,7 +223,7 @@ def test_skips_not_in_a_row_never_reach_the_limit():
             loss = model(**batch(step, comm.rank, 0)).loss
             engine.backward(loss * float("inf") if step % 2 == 0 else loss)
             engine.step()
-        return engine.scaler.skipped, engine.t
+        return engine.skipped, engine.t
     with pytest.warns(UserWarning, match="skipped on every rank"):
         assert launch.run_threads(body, 2) == [(3, 3)] * 2
 
@@ -383,7 +383,7 @@ def _loss(name, model, args, kw):
 
 def _ours_on(comm, name, make):
     model = make()
-    _perturb(model, comm.rank)  # ranks built from other values: rank 0's win, as in DDP
+    perturb(model, comm.rank)  # ranks built from other values: rank 0's win, as in DDP
     engine = minizero.Engine(model, comm, 0, lr=0.05, weight_decay=0.1)
     states = []
     for step in range(3):
@@ -396,7 +396,7 @@ def _ours_on(comm, name, make):
 
 def _ddp_on(comm, name, make):
     model = make()
-    _perturb(model, comm.rank)
+    perturb(model, comm.rank)
     ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=name == "experts")
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
     states = []

@@ -1,5 +1,5 @@
 """
-Offload (engine.py, offload.py): the optimizer's shard on disk gives the same bits as in
+Offload (features.py, offload.py): the optimizer's shard on disk gives the same bits as in
 memory, shows where it went, survives checkpoints both ways, leaves no files behind, and
 a disk that fills mid-step changes nothing. (Bit identity is also drawn in the hypothesis
 suite, test_equivalence.py.)
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from minizero_lib import checkpoint
-from minizero_lib import cli
+from minizero_lib import planner
 import minizero
 from minizero_lib import offload
 from minizero_lib import launch
@@ -102,14 +102,14 @@ def test_a_disk_that_fills_mid_step_changes_nothing(tmp_path, monkeypatch):
     error; params, moments and step counts are as before; with room again, training goes on."""
     c = case("bf16", steps=3)
     model, batches = make(c)
-    real = offload._pwrite
+    real = offload.pwrite
     full = {"on": False}
 
     def pwrite(fd, t, pos):
         if full["on"] and os.readlink(f"/proc/self/fd/{fd}").endswith("rank1-unit1.offload"):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, t, pos)
-    monkeypatch.setattr(offload, "_pwrite", pwrite)
+    monkeypatch.setattr(offload, "pwrite", pwrite)
 
     def body(comm):
         engine = minizero.Engine(copy.deepcopy(model), comm, 3, offload="disk", offload_dir=str(tmp_path),
@@ -191,7 +191,7 @@ def test_a_killed_rank_leaves_no_offload_files(tmp_path):
 
 
 def test_planner_prints_what_stays_resident():
-    lines = cli.plan(7.5e9, 64, torch.bfloat16, memory=80e9, offload="disk")
+    lines = planner.plan(7.5e9, 64, torch.bfloat16, memory=80e9, offload="disk")
     rows = {line.split()[0]: line.split() for line in lines if line[:1].isdigit()}
     # the ZeRO paper's 7.5B on 64 GPUs: stage 3 keeps 2 + 2 bytes of the 16 per parameter, / 64
     assert rows["3"][1:7] == ["0.23", "0.23", "0.00", "0.47", "44.30", "1.41"]

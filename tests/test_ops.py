@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from minizero_lib import launch
 import ops
+from minizero_lib import hybrid, launch
 
 torch.set_num_threads(1)
 
@@ -205,7 +205,7 @@ def _ring_and_native(comm, chunk, dtype, seed, with_all_reduce=False):
             results.append(call())
             deltas.append(ledger_delta(before, sent(comm)))
         out[native] = (*results, *deltas)
-    with ops.in_flight(comm) as pending:  # the native calls again, all started before any finishes
+    with ops.started(comm) as pending:  # the native calls again, all started before any finishes
         started = [call() for call in calls]
     pending.wait()
     out["in flight"] = started
@@ -367,7 +367,7 @@ def _headers(comm):
     """comm.headers, a Group's (its comm's, read live), and on processes the same after
     check=False (the constructor's name for it): what the engine asks before it starts
     torch's collectives in flight."""
-    group = ops.Group(comm, [comm.rank])
+    group = hybrid.Group(comm, [comm.rank])
     seen = [comm.headers, group.headers]
     if isinstance(comm, ops.ProcessComm):
         comm.check = False

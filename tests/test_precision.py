@@ -10,11 +10,9 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from minizero_lib import cli
-from minizero_lib import launch
 import minizero
 import ops
-from minizero_lib import optimizers
+from minizero_lib import launch, optimizers, planner
 from test_equivalence import FIXED, assert_same, make
 
 torch.set_num_threads(1)
@@ -35,7 +33,7 @@ def run(comm, stage, model, batches, kw, poison=None):
             engine.backward(loss)
         stepped = engine.step()
         u = engine.units[0]
-        out.append((stepped, engine.scaler.scale, engine.full_state_dict(),
+        out.append((stepped, getattr(engine, "scaler", None) and engine.scaler.scale, engine.full_state_dict(),
                     ops.all_gather(u.state["m"], comm) if stage else u.state["m"].clone(), engine.t))
     return out
 
@@ -86,7 +84,7 @@ def test_engine_casts_float_inputs_to_the_compute_dtype():
 
 
 def test_planner_prints_the_formula():
-    lines = cli.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
+    lines = planner.plan(7.5e9, 64, torch.bfloat16, memory=80e9)
     for stage, line in enumerate(lines[2:]):
         b = minizero.model_state_bytes(7.5e9, 64, stage)
         assert f"{sum(b.values()) / 1e9:.2f}" in line
@@ -123,9 +121,9 @@ def test_the_update_divides_only_by_tensors_on_its_device(coef):
     meta = torch.device("meta")
     master, m, v = (torch.empty(8, device=meta) for _ in range(3))
     grad = torch.empty(8, device=meta, dtype=torch.bfloat16)
-    hp = optimizers.Hyper(1e-2, 0.1, {"betas": (0.9, 0.999), "eps": 1e-8}, 0.25,
+    hp = minizero.Hyper(1e-2, 0.1, {"betas": (0.9, 0.999), "eps": 1e-8}, 0.25,
                         None if coef is None else torch.full((), coef, device=meta))
-    pieces = optimizers.state_layout([0, 3], [(3,), (5,)], ["adamw"] * 2, [{"m": None, "v": None}] * 2, 0, 8)[0]
+    pieces = minizero.state_layout([0, 3], [(3,), (5,)], ["adamw"] * 2, [{"m": None, "v": None}] * 2, 0, 8)[0]
     with Recorder() as rec:
         optimizers.update(master, {"m": m, "v": v}, grad, [(pieces[0], 2, 0.1), (pieces[1], 1, 0.0)], hp)
     divisions = [(name, args) for name, args in rec.calls if "div" in name]

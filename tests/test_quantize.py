@@ -14,9 +14,9 @@ import torch
 import torch.nn as nn
 
 import minizero
-from minizero_lib import cli, launch
+from minizero_lib import launch, planner
 from minizero_lib.ds_config import check_quantized, parse_ds_config
-from minizero_lib.engine import Engine
+from minizero import Engine
 from minizero_lib.quantize import (QMAX, Quant, dequantize, gather_params, packed_bytes,
                                    quantize, reduce_scatter)
 
@@ -277,13 +277,13 @@ def test_check_refuses_quantize_weights():
 
 def test_planner_prints_zeropp_beside_zero3():
     params, N, G, units = 1024 * 32 * 1000, 1024, 8, 32
-    links = cli.Links(900e9 / 8, 400e9 / 8, 5e-6)
-    lines = cli.plan_zeropp(params, N, G, links, units)
+    links = planner.Links(900e9 / 8, 400e9 / 8, 5e-6)
+    lines = planner.plan_zeropp(params, N, G, links, units)
     rows = {ln[:26].strip(): [float(v) for v in ln[26:].split()] for ln in lines[2:]}
     zero3, ours = rows["ZeRO-3"], rows["qwZ + qgZ (minizero)"]
     zeropp = rows["qwZ + qgZ + hpZ (ZeRO++)"]
     # ZeRO-3's row is the hybrid table's flat stage 3 (the ledger-tested formula)
-    flat = cli.link_bytes_per_step(params, N, 3, G)
+    flat = planner.link_bytes_per_step(params, N, 3, G)
     assert zero3[0] == round(flat["busiest"] / 1e9, 2) and zero3[1] == round(flat["inter"] / 1e9, 2)
     # ZeRO++ sends about a quarter of ZeRO-3 across per node (0.75 of 3 Ψ), and is faster
     assert 0.24 < zeropp[1] / zero3[1] < 0.27 and zeropp[2] < ours[2] < zero3[2]

@@ -92,10 +92,10 @@ def _counters(comm, path, load):
         engine.load_checkpoint(path)
     else:
         engine.t, engine.scaler.scale, engine.scaler.clean_steps = 5, 512.0, 3
-        engine.scaler.skipped, engine.scaler.skips_in_row = 4, 2
+        engine.skipped, engine.skips_in_row = 4, 2
         engine.save_checkpoint(path, background=True)
         engine.close()
-    return engine.t, engine.scaler.scale, engine.scaler.clean_steps, engine.scaler.skipped, engine.scaler.skips_in_row
+    return engine.t, engine.scaler.scale, engine.scaler.clean_steps, engine.skipped, engine.skips_in_row
 
 
 def test_the_loss_scale_and_skip_counts_come_back(tmp_path):

@@ -1,5 +1,5 @@
 """
-The stage functions of stages.py, called directly on explicit shard tensors: no Engine,
+The stage functions of minizero.py, called directly on explicit shard tensors: no Engine,
 no model, no hooks. Each rank of a thread world holds a padded flat buffer and a local
 gradient; the test runs what each stage does at its sync points and checks it against
 the ZeRO table: what every rank holds afterwards, and the bytes it sent, to which peer.
@@ -9,25 +9,22 @@ N/S replicas: read N as S in the table, plus the all-reduce.
 import pytest
 import torch
 
-from minizero_lib import launch
-import ops
-from minizero_lib import optimizers
-from minizero_lib import formulas
-from minizero_lib import stages as mz
+import minizero as mz
+from minizero_lib import formulas, hybrid, launch
 
 torch.set_num_threads(1)
 LR, WD = 0.05, 0.1
 
 
 def pieces(lo, hi, numel, t=1):
-    """What optimizers.runs gives for one AdamW parameter of numel elements: its part of [lo, hi)."""
-    layout = optimizers.state_layout([0], [(numel,)], ["adamw"], [{"m": None, "v": None}], lo, hi)[0]
+    """What minizero.runs gives for one AdamW parameter of numel elements: its part of [lo, hi)."""
+    layout = mz.state_layout([0], [(numel,)], ["adamw"], [{"m": None, "v": None}], lo, hi)[0]
     return [(p, t, WD) for p in layout]
 
 
 def rank_world(comm, numel, dtype, S):
     N = comm.world_size
-    shards, replicas = ops.split(comm, S)
+    shards, replicas = hybrid.split(comm, S)
     r = shards.rank  # this rank's chunk
     padded = -(-numel // N) * N
     s = padded // S
@@ -37,7 +34,7 @@ def rank_world(comm, numel, dtype, S):
     g.manual_seed(100 + r)
     local = torch.zeros(padded, dtype=dtype)
     local[:numel] = torch.randn(numel, generator=g).to(dtype)        # this rank's own gradient
-    hp = optimizers.Hyper(LR, WD, {"betas": (0.9, 0.999), "eps": 1e-8}, 1.0 / N, None)
+    hp = mz.Hyper(LR, WD, {"betas": (0.9, 0.999), "eps": 1e-8}, 1.0 / N, None)
     master = (lambda x: x if dtype == torch.float32 else x.float())  # fp32 needs no separate master
     out, sent = {}, {}
 
@@ -50,7 +47,7 @@ def rank_world(comm, numel, dtype, S):
 
     def reduce():  # every stage: reduce-scatter in the group; hybrid: then across the copies
         red = mz.reduce_grads(local, None, shards)
-        return mz.all_reduce_replicas(red, replicas) if replicas.world_size > 1 else red
+        return hybrid.all_reduce_replicas(red, replicas) if replicas.world_size > 1 else red
 
     def ddp_reduce():  # stage 0 also all-gathers the sum: DDP's all-reduce, in two halves
         red = reduce()

@@ -30,12 +30,12 @@ def test_ds_config_maps_to_overrides():
 
 
 @pytest.mark.parametrize("ds, key", [
-    ({"zero_optimization": {"stage": 2, "overlap_comm": True}}, "zero_optimization.overlap_comm"),
-    ({"train_batch_size": 32, "wall_clock_breakdown": True}, "wall_clock_breakdown"),
-    ({"fp16": {"enabled": True, "loss_scale": 0}}, "fp16.loss_scale"),
+    ({"zero_optimisation": {"stage": 2, "overlap_comm": True}}, "zero_optimisation.stage"),  # a typo of a key it reads
+    ({"zero_optimization": {"stgae": 3}}, "zero_optimization.stgae"),
+    ({"fp16": {"enabled": True, "loss_scale": 128}}, "fp16.loss_scale"),  # a static scale
     ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "amsgrad": True}}}, "optimizer.params.amsgrad"),
 ])
-def test_ds_config_unknown_key_is_named(ds, key):
+def test_ds_config_refused_key_is_named(ds, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
         ds_config.parse_ds_config(ds)
 
