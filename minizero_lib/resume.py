@@ -69,8 +69,8 @@ def check_out_dir(cfg):
 
 def resume_from(cfg, world_size):
     """With --resume: the newest complete checkpoint in --out-dir (None: start fresh). Its
-    global batch is kept (unless --global-batch is given): grad_accum_for re-cuts it for this
-    world size, so a restart with another number of ranks trains on the same batches."""
+    global batch is kept (unless a --config sets train_batch_size): grad_accum_for re-cuts it
+    for this world size, so a restart with another number of ranks trains on the same batches."""
     found = checkpoint.checkpoints(cfg["out_dir"]) if cfg["resume"] else []
     meta = (checkpoint.read_manifest(found[0]).get("meta") or {}) if found else {}
     saved, per_step = meta.get("global_batch"), cfg["batch_size"] * world_size
@@ -80,8 +80,8 @@ def resume_from(cfg, world_size):
                 else "a number of ranks that divides it"
             raise ValueError(f"--resume: the checkpoint {found[0]} trained at a global batch of "
                              f"{saved} sequences, not a multiple of --batch-size "
-                             f"{cfg['batch_size']} x {world_size} ranks; give {fix}, or "
-                             "--global-batch")
+                             f"{cfg['batch_size']} x {world_size} ranks; give {fix}, or a "
+                             "--config whose train_batch_size is one")
         cfg["global_batch"], cfg["grad_accum"] = saved, 1  # (grad_accum: derived from it)
     return found[0] if found else None
 

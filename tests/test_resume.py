@@ -156,7 +156,7 @@ def test_bad_out_dir_and_save_interval_are_one_line(tmp_path, capsys, files):  #
             ([], f"--out-dir {d} already holds a checkpoint at step 2; add --resume to train on"),
             (["--resume", "--world-size", "3"],
              "trained at a global batch of 2 sequences, not a multiple of --batch-size 2 x 3 "
-             "ranks; give a number of ranks")]:
+             "ranks; give a number of ranks that divides it, or a --config whose train_batch_size is one")]:
         assert says in one_line_error(capsys, tg.main, [*argv, *extra], "train_gpt.py")
     assert files_of() == before  # (another run's checkpoint: never overwritten)
 
