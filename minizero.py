@@ -165,8 +165,12 @@ def clip_coef(grad_shards, max_norm, group):
     total = per_rank[0]
     for x in per_rank[1:]:
         total = total + x
-    # (torch's max_norm / (norm + 1e-6), as the reciprocal times max_norm)
-    return torch.clamp((total.sqrt() + 1e-6).reciprocal() * max_norm, max=1.0)
+    return coef_of(total, max_norm)
+
+
+def coef_of(norm_sq, max_norm):
+    """torch's max_norm / (norm + 1e-6), at most 1, as the reciprocal times max_norm."""
+    return torch.clamp((norm_sq.sqrt() + 1e-6).reciprocal() * max_norm, max=1.0)
 
 
 # -----------------------------------------------------------------------------

@@ -226,8 +226,7 @@ class Engine(minizero.Engine):
         if not self.tree:
             return super()._clip_coef(unscale)
         total = tree.norm_sq([u.reduced.float() * unscale for u in self.units], self.group)
-        # (torch's max_norm / (norm + 1e-6), as minizero.clip_coef)
-        return (total.sqrt() + 1e-6).reciprocal().mul(self.clip).clamp(max=1.0)
+        return minizero.coef_of(total, self.clip)
 
     def _update(self, hp):
         """Each unit's update, with Muon's and Adafactor's whole tensors gathered and the

@@ -72,8 +72,8 @@ MUTANTS = [
     # more of AdamW, clipping and the mean
     Mutant("no bias correction of m", "minizero:adamw",
            "lr / (1 - beta1 ** t)", "lr", "test_check.py::test_a_correct_engine_passes", quick=True),
-    Mutant("clip by the squared norm", "minizero:clip_coef",
-           "(total.sqrt() + 1e-6)", "(total + 1e-6)",
+    Mutant("clip by the squared norm", "minizero:coef_of",
+           "(norm_sq.sqrt() + 1e-6)", "(norm_sq + 1e-6)",
            "test_check.py::test_a_correct_engine_passes"),
     Mutant("clip norm summed over rank 0 only", "minizero:clip_coef",
            "total = total + x", "total = total", "test_check.py::test_a_correct_engine_passes"),
